@@ -1,0 +1,48 @@
+"""Every error kvguard raises on purpose, in one tree.
+
+Callers catch :class:`KvguardError` (or one branch of it); foreign exceptions
+(``OSError``, ``json.JSONDecodeError``, library errors) are translated into this
+tree at the edge where they happen, so no caller ever needs to know which library
+failed::
+
+    KvguardError                 anything kvguard reports as a clean, one-line error
+    ├── InvalidInputError        a value given to kvguard is out of range or malformed
+    │                            (.field names it, .value is what was given)
+    └── ModelConfigError         a model's config.json (or its weight index) cannot be
+                                 read, or lacks a field the budget needs (.source, .field)
+"""
+
+from __future__ import annotations
+
+
+class KvguardError(Exception):
+    """Base of every error kvguard raises deliberately; its message is for operators."""
+
+
+class InvalidInputError(KvguardError, ValueError):
+    """A value given to kvguard is malformed or out of range.
+
+    ``field`` names the input (in the words of the CLI flag or config key),
+    ``value`` is what was given, and the message says what is allowed.
+    """
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}: {allowed}, got {value!r}")
+
+
+class ModelConfigError(KvguardError):
+    """A model configuration cannot be used for a budget.
+
+    Raised for a missing or unreadable file, invalid JSON, or a config that lacks a
+    field the formula needs. ``source`` is the file (or a bundled model's name),
+    ``field`` the missing or bad field when there is one.
+    """
+
+    def __init__(self, message: str, *, source: str = "", field: str = "") -> None:
+        self.source = source
+        self.field = field
+        prefix = f"{source}: " if source else ""
+        super().__init__(f"{prefix}{message}")
