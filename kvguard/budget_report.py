@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import PurePath
 
 from kvguard.model.budget import Budget, BudgetReport
-from kvguard.model.units import format_bytes
+from kvguard.model.units import DTYPE_BYTES, format_bytes
 
 BAR_WIDTH = 30
 _EIGHTHS = " ▏▎▍▌▋▊▉"
@@ -26,8 +26,9 @@ def budget_to_dict(report: BudgetReport, source: str, gpu: str) -> dict[str, obj
             "sliding_window_layers": shape.sliding_layers,
             "sliding_window": shape.sliding_window,
             "state_layers": shape.state_layers,
-            "kv_heads": shape.attention.kv_heads,
-            "head_dim": shape.attention.head_dim,
+            "kv_heads": shape.attention.kv_heads if shape.attention.kind == "mha" else None,
+            "head_dim": shape.attention.head_dim if shape.attention.kind == "mha" else None,
+            "kv_latent_dim": shape.attention.latent_dim if shape.attention.kind == "mla" else None,
             "max_position_embeddings": shape.max_position_embeddings,
         },
         "inputs": {
@@ -90,7 +91,7 @@ def render_budget(report: BudgetReport, source: str, gpu: str) -> str:
         else f"{att.kv_heads} KV heads x {att.head_dim}"
     )
     lines = [
-        f"Model     {shape.name or PurePath(source).parent.name} ({shape.model_type},"
+        f"Model     {shape.name or PurePath(source).parent.name or source} ({shape.model_type},"
         f" {shape.dtype})  {source}",
         f"GPU       {gpu}: {format_bytes(b.gpu_memory_bytes)} x {inputs.tp * inputs.pp}"
         f" (tp={inputs.tp}, pp={inputs.pp}),"
@@ -109,7 +110,10 @@ def render_budget(report: BudgetReport, source: str, gpu: str) -> str:
         )
     lines += ["", f"Per-GPU memory   {format_bytes(b.gpu_memory_bytes)}"]
     lines += [_bar_line(name, size, b.gpu_memory_bytes) for name, size in _memory_lines(b)]
-    lines += ["", *_verdict(b), "", _fp8_line(report.fp8), f"Weights          {b.weights_source}"]
+    lines += ["", *_verdict(b), ""]
+    if DTYPE_BYTES[b.kv_cache_dtype] > 1:  # the comparison only helps when fp8 is smaller
+        lines.append(_fp8_line(report.fp8))
+    lines.append(f"Weights          {b.weights_source}")
     if b.assumptions:
         lines += ["Assumptions:", *(f"  - {a}" for a in b.assumptions)]
     return "\n".join(lines)
@@ -147,7 +151,8 @@ def _verdict(b: Budget) -> list[str]:
         if b.fits
         else f"DOES NOT FIT: short by {format_bytes(-b.headroom_bytes_per_gpu)} per GPU"
     )
-    limit = " (model limit)" if b.max_model_len_at_concurrency == b.max_model_len_cap else ""
+    at_cap = b.max_model_len_at_concurrency == b.max_model_len_cap
+    limit = " (model limit)" if at_cap and b.model.max_position_embeddings else ""
     return [
         f"Worst case       {conc:,} x {b.max_model_len:,} tokens = {format_bytes(worst)}"
         f" per GPU, in a pool of {format_bytes(b.kv_pool_bytes_per_gpu)}",

@@ -154,8 +154,6 @@ def _run_budget(args: argparse.Namespace) -> int:
         memory, gpu = preset.memory_bytes, preset.name
     else:
         memory = _size(args.gpu_memory, "--gpu-memory")
-        if memory is not None and memory <= 0:
-            raise InvalidInputError("--gpu-memory", args.gpu_memory, "must be a size > 0")
         gpu = "custom" if memory is not None else "default (80 GiB)"
     inputs = BudgetInputs(
         tp=args.tp,

@@ -87,8 +87,8 @@ class ConfigFields:
         """Whether the field is present and not null."""
         return self.get(name) is not None
 
-    def opt_int(self, name: str) -> int | None:
-        """An integer field, ``None`` when absent; an error when it is not an integer."""
+    def opt_int(self, name: str, minimum: int | None = None) -> int | None:
+        """An integer field, ``None`` when absent; an error when not an integer >= ``minimum``."""
         value = self.get(name)
         if value is None:
             return None
@@ -96,18 +96,18 @@ class ConfigFields:
             raise ModelConfigError(
                 f"field '{name}' must be an integer, got {value!r}", source=self.source, field=name
             )
+        if minimum is not None and value < minimum:
+            raise ModelConfigError(
+                f"field '{name}' must be >= {minimum}, got {value}", source=self.source, field=name
+            )
         return value
 
     def int(self, name: str, why: str, minimum: int = 1) -> int:
         """A required integer field >= ``minimum``; the error says what needed it."""
-        value = self.opt_int(name)
+        value = self.opt_int(name, minimum)
         if value is None:
             raise ModelConfigError(
                 f"missing field '{name}' (needed for {why})", source=self.source, field=name
-            )
-        if value < minimum:
-            raise ModelConfigError(
-                f"field '{name}' must be >= {minimum}, got {value}", source=self.source, field=name
             )
         return value
 
@@ -144,6 +144,7 @@ class AttentionShape:
     kv_heads: int
     head_dim: int
     latent_dim: int = 0
+    q_width: int = 0  # query projection width: sizes the activation estimate
 
     def elements_per_token(self, tp: int = 1) -> int:
         """Cached values per token per layer on one GPU at tensor-parallel size ``tp``."""
@@ -230,10 +231,18 @@ class ModelShape:
 
 def parse_model_config(raw: Mapping[str, object], source: str = "config.json") -> ModelShape:
     """Build a :class:`ModelShape` from a Hugging Face config object."""
-    cfg = ConfigFields(raw, source)
+    return parse_fields(ConfigFields(raw, source))
+
+
+def parse_fields(cfg: ConfigFields) -> ModelShape:
+    """Build a :class:`ModelShape` from an already wrapped config."""
     num_layers = cfg.int("num_hidden_layers", "the number of layers")
     hidden = cfg.int("hidden_size", "attention and activation sizes")
     kinds = _layer_kinds(cfg, num_layers)
+    if "full" not in kinds and "sliding" not in kinds:
+        raise cfg.error(
+            "no attention layers: kvguard budgets KV caches, and pure state-space models have none"
+        )
     attention = _attention_shape(cfg, hidden)
     window = None
     if "sliding" in kinds:
@@ -262,7 +271,7 @@ def parse_model_config(raw: Mapping[str, object], source: str = "config.json") -
         mlp=_mlp_shape(cfg, num_layers),
         hidden_size=hidden,
         vocab_size=cfg.int("vocab_size", "embedding weights and sampler logits"),
-        max_position_embeddings=cfg.opt_int("max_position_embeddings"),
+        max_position_embeddings=cfg.opt_int("max_position_embeddings", minimum=1),
         dtype=dtype,
         dtype_stated=dtype_raw is not None,
         checkpoint_dtype=stored,
@@ -297,6 +306,11 @@ def _layer_kinds(cfg: ConfigFields, n: int) -> tuple[LayerKind, ...]:
     if cfg.has("attn_layer_period"):  # Jamba: one attention layer per period, Mamba elsewhere
         period = cfg.int("attn_layer_period", "Jamba's attention layer layout")
         offset = cfg.int("attn_layer_offset", "Jamba's attention layer layout", minimum=0)
+        if offset >= period:
+            raise cfg.error(
+                f"attn_layer_offset ({offset}) must be < attn_layer_period ({period})",
+                "attn_layer_offset",
+            )
         return _pattern(n, "full", "state", lambda i: i % period == offset)
     if cfg.has("full_attention_interval"):  # Qwen3-Next: every Nth layer is full attention
         every = cfg.int("full_attention_interval", "Qwen3-Next's layer layout")
@@ -331,11 +345,11 @@ def _attention_shape(cfg: ConfigFields, hidden: int) -> AttentionShape:
     if cfg.has("kv_lora_rank"):  # multi-head latent attention
         rank = cfg.int("kv_lora_rank", "MLA's compressed KV latent")
         rope = cfg.int("qk_rope_head_dim", "MLA's decoupled RoPE key (cached with the latent)")
-        return AttentionShape(
-            "mla", heads, kv_heads=1, head_dim=rank + rope, latent_dim=rank + rope
-        )
-    kv_heads = cfg.opt_int("num_key_value_heads") or heads
-    head_dim = cfg.opt_int("head_dim")
+        nope = cfg.int("qk_nope_head_dim", "MLA's query width")
+        width = heads * (nope + rope)
+        return AttentionShape("mla", heads, 0, 0, latent_dim=rank + rope, q_width=width)
+    kv_heads = cfg.opt_int("num_key_value_heads", minimum=1) or heads
+    head_dim = cfg.opt_int("head_dim", minimum=1)
     if head_dim is None:
         if hidden % heads:
             raise cfg.error(
@@ -344,7 +358,9 @@ def _attention_shape(cfg: ConfigFields, hidden: int) -> AttentionShape:
                 "head_dim",
             )
         head_dim = hidden // heads
-    return AttentionShape("mha", heads, kv_heads=kv_heads, head_dim=head_dim)
+    return AttentionShape(
+        "mha", heads, kv_heads=kv_heads, head_dim=head_dim, q_width=heads * head_dim
+    )
 
 
 def _state_shape(cfg: ConfigFields, hidden: int) -> StateShape:

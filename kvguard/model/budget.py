@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 from kvguard.errors import InvalidInputError
-from kvguard.model.architecture import ConfigFields, ModelShape, parse_model_config
+from kvguard.model.architecture import ConfigFields, ModelShape, parse_fields
 from kvguard.model.units import DTYPE_BYTES, GiB, MiB, dtype_bytes
 from kvguard.model.weights import estimate_weights
 
@@ -59,37 +59,76 @@ class BudgetInputs:
     overhead_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "tp",
-            "pp",
-            "concurrency",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "block_size",
-        ):
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("max_model_len", self.max_model_len, minimum=1, optional=True)
-        _check_int("gpu_memory_bytes", self.gpu_memory_bytes, minimum=1, optional=True)
-        _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1, optional=True)
+        for name in ("tp", "pp", "concurrency", "max_num_seqs", "block_size"):
+            _check_int(name, getattr(self, name), 1, MAX_COUNT)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_TOKENS)
+        _check_int("max_model_len", self.max_model_len, 1, MAX_TOKENS, optional=True)
+        _check_int("gpu_memory_bytes", self.gpu_memory_bytes, 1, MAX_BYTES, optional=True)
+        _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, MAX_BYTES, optional=True)
         for name in ("weights_bytes", "activation_bytes", "overhead_bytes"):
-            _check_int(name, getattr(self, name), minimum=0, optional=True)
+            _check_int(name, getattr(self, name), 0, MAX_BYTES, optional=True)
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise InvalidInputError("gpu_memory_utilization", util, "must be a fraction in (0, 1]")
-        if self.kv_cache_dtype.lower() != "auto":
-            dtype_bytes(self.kv_cache_dtype)  # raises for an unknown dtype
+        if not isinstance(self.kv_cache_dtype, str):
+            raise InvalidInputError("kv_cache_dtype", self.kv_cache_dtype, "must be a dtype name")
+        dtype = self.kv_cache_dtype.strip().lower()
+        if dtype != "auto":
+            dtype_bytes(dtype)  # raises for an unknown dtype
+        object.__setattr__(self, "kv_cache_dtype", dtype)  # frozen: normalise once, here
 
 
-def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
+# Bounds that keep every figure far from overflow while allowing any real deployment.
+MAX_COUNT = 1_000_000
+MAX_TOKENS = 2**31  # engines hold token positions in int32
+MAX_BYTES = 2**60  # 1 EiB
+
+
+def _check_int(
+    name: str, value: object, minimum: int, maximum: int, optional: bool = False
+) -> None:
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidInputError(name, value, f"must be an integer >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        kind = "a byte count" if name.endswith("_bytes") else "an integer"
+        raise InvalidInputError(name, value, f"must be {kind} from {minimum} to {maximum:,}")
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    """Integer ceiling of a division (exact at any size, unlike ``math.ceil(a / b)``)."""
+    return -(-numerator // denominator)
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """The layers one pipeline stage (one GPU of a TP group) holds, by kind."""
+
+    full: int
+    sliding: int
+    state: int
+
+
+def pipeline_stages(shape: ModelShape, pp: int) -> tuple[PipelineStage, ...]:
+    """Split the layers into ``pp`` contiguous stages, the first ones one layer larger."""
+    base, extra = divmod(shape.num_layers, pp)
+    stages = []
+    start = 0
+    for index in range(pp):
+        kinds = shape.layer_kinds[start : start + base + (1 if index < extra else 0)]
+        start += len(kinds)
+        stages.append(
+            PipelineStage(kinds.count("full"), kinds.count("sliding"), kinds.count("state"))
+        )
+    return tuple(stages)
 
 
 @dataclass(frozen=True)
 class KvFootprint:
-    """Cache bytes of one shape at one KV dtype and parallel layout."""
+    """Cache bytes of one shape at one KV dtype and parallel layout.
+
+    Per-GPU figures are those of the fullest pipeline stage, the one that runs
+    out first.
+    """
 
     shape: ModelShape
     kv_dtype_bytes: Fraction
@@ -97,6 +136,11 @@ class KvFootprint:
     tp: int
     pp: int
     block_size: int
+
+    @property
+    def stages(self) -> tuple[PipelineStage, ...]:
+        """The pipeline stages' layer counts."""
+        return pipeline_stages(self.shape, self.pp)
 
     @property
     def bytes_per_token(self) -> int:
@@ -107,21 +151,17 @@ class KvFootprint:
     @property
     def bytes_per_token_per_gpu(self) -> int:
         """KV bytes per token on one GPU (heads split by TP, layers by PP)."""
-        return math.ceil(
-            self._gpu_elements()
-            * self._gpu_layers(self.shape.attention_layers)
-            * self.kv_dtype_bytes
-        )
+        layers = max(stage.full + stage.sliding for stage in self.stages)
+        return math.ceil(self._gpu_elements() * layers * self.kv_dtype_bytes)
 
     def sequence_bytes(self, tokens: int, per_gpu: bool) -> int:
         """KV bytes of one sequence of ``tokens``: windows applied, block-rounded."""
-        full, sliding = self.shape.full_layers, self.shape.sliding_layers
-        elements = self.shape.attention.elements_per_token(1)
-        if per_gpu:
-            full, sliding = self._gpu_layers(full), self._gpu_layers(sliding)
-            elements = self._gpu_elements()
-        window = self.shape.sliding_window or 0
-        held = full * self._blocked(tokens) + sliding * self._blocked(min(tokens, window))
+        whole = PipelineStage(self.shape.full_layers, self.shape.sliding_layers, 0)
+        stages = self.stages if per_gpu else (whole,)
+        elements = self._gpu_elements() if per_gpu else self.shape.attention.elements_per_token(1)
+        full_tokens = self._blocked(tokens)
+        window_tokens = self._blocked(min(tokens, self.shape.sliding_window or 0))
+        held = max(s.full * full_tokens + s.sliding * window_tokens for s in stages)
         return math.ceil(elements * held * self.kv_dtype_bytes)
 
     def state_bytes(self, per_gpu: bool) -> int:
@@ -131,18 +171,15 @@ class KvFootprint:
             return 0
         layers, elements = self.shape.state_layers, state.elements_per_layer
         if per_gpu:
-            layers, elements = self._gpu_layers(layers), math.ceil(elements / self.tp)
+            layers = max(stage.state for stage in self.stages)
+            elements = ceil_div(elements, self.tp)
         return math.ceil(layers * elements * self.state_dtype_bytes)
 
     def _blocked(self, tokens: int) -> int:
-        return math.ceil(tokens / self.block_size) * self.block_size
+        return ceil_div(tokens, self.block_size) * self.block_size
 
     def _gpu_elements(self) -> int:
         return self.shape.attention.elements_per_token(self.tp)
-
-    def _gpu_layers(self, layers: int) -> int:
-        # The first pipeline stage holds the most layers when they do not divide evenly.
-        return math.ceil(layers / self.pp)
 
 
 @dataclass(frozen=True)
@@ -192,41 +229,26 @@ def compute_budget(
     notes: tuple[str, ...] = (),
 ) -> Budget:
     """Compute the budget of ``shape`` served with ``inputs`` and ``weights_bytes`` of weights."""
-    assumptions = list(notes)
-    model_dtype = DTYPE_BYTES[shape.dtype]
-    kv_dtype = shape.dtype if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype.lower()
-    if not shape.dtype_stated:
-        assumptions.append("config names no torch_dtype: model dtype taken as bf16")
-    if shape.checkpoint_dtype != shape.dtype:
-        assumptions.append(
-            f"checkpoint is {shape.checkpoint_dtype}: served in {shape.dtype}, as vLLM's"
-            " --dtype auto does"
-        )
-    assumptions.extend(
-        f"config omits '{name}': used the {shape.model_type} default {value!r}"
-        for name, value in shape.defaulted_fields
-    )
+    assumptions = [*notes, *_shape_assumptions(shape)]
+    kv_dtype = shape.dtype if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype
     kv = KvFootprint(
-        shape, dtype_bytes(kv_dtype), model_dtype, inputs.tp, inputs.pp, inputs.block_size
+        shape,
+        dtype_bytes(kv_dtype),
+        DTYPE_BYTES[shape.dtype],
+        inputs.tp,
+        inputs.pp,
+        inputs.block_size,
     )
-    if shape.state is not None:
-        assumptions.append(
-            f"{shape.state_layers} {shape.state.kind} layers keep a constant per-sequence state"
-            f" in the model dtype ({shape.dtype}), not in the KV dtype"
-        )
-
-    max_len = inputs.max_model_len or shape.max_position_embeddings
-    if max_len is None:
-        raise InvalidInputError(
-            "max_model_len", None, "the config has no max_position_embeddings: pass it explicitly"
-        )
+    check_parallel_layout(shape, inputs.tp, inputs.pp)
+    model_limit = shape.max_position_embeddings
+    max_len = _max_model_len(inputs, model_limit)
     gpus = inputs.tp * inputs.pp
     total = inputs.gpu_memory_bytes
     if total is None:
         total = DEFAULT_GPU_MEMORY_BYTES
         assumptions.append("no GPU memory given: memory figures assume 80 GiB per GPU")
 
-    weights_gpu = math.ceil(weights_bytes / gpus)
+    weights_gpu = ceil_div(weights_bytes, gpus)
     activation = inputs.activation_bytes
     if activation is None:
         activation = estimate_activation_bytes(shape, inputs)
@@ -249,11 +271,14 @@ def compute_budget(
     state_gpu = kv.state_bytes(per_gpu=True)
     worst_kv = inputs.concurrency * seq_gpu
     worst_state = inputs.concurrency * state_gpu
-    headroom = pool - worst_kv - worst_state + min(0, unallocated)
+    kv_spare = pool - worst_kv - worst_state
+    # When the lines overcommit the GPU, the shortfall is that, plus whatever the
+    # worst case lacks in the pool (a fixed pool cannot shrink to absorb it).
+    headroom = kv_spare if unallocated >= 0 else unallocated - max(0, -kv_spare)
 
     per_token_gpu = kv.bytes_per_token_per_gpu
     blocks = pool // (inputs.block_size * per_token_gpu) if per_token_gpu else 0
-    cap = max(max_len, shape.max_position_embeddings or 0)
+    cap = model_limit or max_len
     return Budget(
         model=shape,
         inputs=inputs,
@@ -285,6 +310,62 @@ def compute_budget(
     )
 
 
+def _shape_assumptions(shape: ModelShape) -> list[str]:
+    """What the figures assume about the model beyond its config's explicit fields."""
+    notes = []
+    if not shape.dtype_stated:
+        notes.append("config names no torch_dtype: model dtype taken as bf16")
+    if shape.checkpoint_dtype != shape.dtype:
+        notes.append(
+            f"checkpoint is {shape.checkpoint_dtype}: served in {shape.dtype}, as vLLM's"
+            " --dtype auto does"
+        )
+    notes.extend(
+        f"config omits '{name}': used the {shape.model_type} default {value!r}"
+        for name, value in shape.defaulted_fields
+    )
+    if shape.state is not None:
+        notes.append(
+            f"{shape.state_layers} {shape.state.kind} layers keep a constant per-sequence state"
+            f" in the model dtype ({shape.dtype}), not in the KV dtype"
+        )
+    return notes
+
+
+def _max_model_len(inputs: BudgetInputs, model_limit: int | None) -> int:
+    max_len = inputs.max_model_len or model_limit
+    if max_len is None:
+        raise InvalidInputError(
+            "max_model_len", None, "the config has no max_position_embeddings: pass it explicitly"
+        )
+    if model_limit is not None and max_len > model_limit:
+        # vLLM refuses this too (unless told to allow it): positions past the
+        # model's limit were never trained.
+        raise InvalidInputError(
+            "max_model_len",
+            max_len,
+            f"must be <= the model's max_position_embeddings ({model_limit:,})",
+        )
+    return max_len
+
+
+def check_parallel_layout(shape: ModelShape, tp: int, pp: int) -> None:
+    """Refuse layouts the engines refuse: TP must split heads evenly, PP needs a layer per stage."""
+    att = shape.attention
+    if att.num_heads % tp:
+        raise InvalidInputError(
+            "tp", tp, f"must divide num_attention_heads ({att.num_heads}) evenly"
+        )
+    if att.kind == "mha" and att.kv_heads % tp and tp % att.kv_heads:
+        raise InvalidInputError(
+            "tp",
+            tp,
+            f"must divide num_key_value_heads ({att.kv_heads}) or be a multiple of it",
+        )
+    if pp > shape.num_layers:
+        raise InvalidInputError("pp", pp, f"must be <= the number of layers ({shape.num_layers})")
+
+
 def _longest_fitting(kv: KvFootprint, pool: int, concurrency: int, cap: int) -> int:
     """Longest context (<= cap) that ``concurrency`` sequences can all hold at once."""
 
@@ -314,12 +395,10 @@ def estimate_activation_bytes(shape: ModelShape, inputs: BudgetInputs) -> int:
     by TP), in the model dtype. The sampler then holds fp32 logits for up to
     ``max_num_seqs`` sequences over the whole vocabulary.
     """
-    att = shape.attention
-    head_width = att.num_heads * att.head_dim if att.kind == "mha" else shape.hidden_size
     per_token = (
         4 * shape.hidden_size
-        + math.ceil(3 * head_width / inputs.tp)
-        + math.ceil(3 * shape.mlp.active_intermediate / inputs.tp)
+        + ceil_div(3 * shape.attention.q_width, inputs.tp)
+        + ceil_div(3 * shape.mlp.active_intermediate, inputs.tp)
     )
     act = math.ceil(inputs.max_num_batched_tokens * per_token * DTYPE_BYTES[shape.dtype])
     return act + inputs.max_num_seqs * shape.vocab_size * SAMPLER_LOGIT_BYTES
@@ -346,7 +425,7 @@ def plan_budget(
     ``total_size``, else an estimate from the config's shapes.
     """
     cfg = ConfigFields(raw_config, source)
-    shape = parse_model_config(raw_config, source)
+    shape = parse_fields(cfg)
     notes: tuple[str, ...] = ()
     if inputs.weights_bytes is not None:
         weights, origin = inputs.weights_bytes, "given (--weights-bytes)"

@@ -53,16 +53,12 @@ DTYPE_BYTES: dict[str, Fraction] = {
 KV_DTYPES: tuple[str, ...] = ("auto", *DTYPE_BYTES)
 
 
-def parse_bytes(text: str | int, field: str = "memory") -> int:
+def parse_bytes(text: str, field: str = "memory") -> int:
     """Parse a byte quantity such as ``80GiB``, ``80GB``, ``81559MiB`` or ``1234``.
 
     A bare number is bytes. Raises :class:`InvalidInputError` naming ``field`` for
     anything else, including negative numbers and unknown units.
     """
-    if isinstance(text, int):
-        if text < 0:
-            raise InvalidInputError(field, text, "must be a byte count >= 0")
-        return text
     match = _BYTES_RE.match(text)
     allowed = (
         "must be a size like 80GiB, 80GB, 81559MiB or a plain byte count"
@@ -80,10 +76,17 @@ def parse_bytes(text: str | int, field: str = "memory") -> int:
 
 
 def format_bytes(n: int | float) -> str:
-    """Render a byte count for people: binary units, three significant figures."""
+    """Render a byte count for people: binary units, one decimal."""
     sign = "-" if n < 0 else ""
-    size = abs(float(n))
-    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+    size = abs(n)
+    for unit, scale in (
+        ("EiB", 1024**6),
+        ("PiB", 1024**5),
+        ("TiB", TiB),
+        ("GiB", GiB),
+        ("MiB", MiB),
+        ("KiB", KiB),
+    ):
         if size >= scale:
             return f"{sign}{size / scale:.1f} {unit}"
     return f"{sign}{int(size)} B"

@@ -107,3 +107,20 @@ def test_mistral_style_window_applies_to_every_layer():
     """A plain sliding_window (no other layout field) applies to all layers."""
     shape = parse_model_config({**LLAMA_LIKE, "sliding_window": 256})
     assert shape.layer_kinds == ("sliding",) * 4
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"head_dim": -8}, "'head_dim' must be >= 1"),
+        ({"num_key_value_heads": 0}, "'num_key_value_heads' must be >= 1"),
+        ({"max_position_embeddings": 0}, "'max_position_embeddings' must be >= 1"),
+        ({"attn_layer_period": 4, "attn_layer_offset": 4}, "attn_layer_offset (4) must be <"),
+        ({"layer_types": ["linear_attention"] * 4}, "no attention layers"),
+    ],
+)
+def test_impossible_values_are_refused(change, message):
+    """Values no real model has are errors, not nonsense budgets."""
+    with pytest.raises(ModelConfigError) as info:
+        parse_model_config({**LLAMA_LIKE, **change})
+    assert message in str(info.value)

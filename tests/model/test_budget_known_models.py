@@ -163,3 +163,30 @@ def test_qwen2_sliding_window_enabled_uses_max_window_layers(budget_of, tmp_path
     b = budget_of(str(tmp_path), max_model_len=32_768).budget
     assert (b.model.full_layers, b.model.sliding_layers) == (20, 8)
     assert b.kv_bytes_per_sequence == 2 * 4 * 128 * 2 * (20 * 32_768 + 8 * 4_096)
+
+
+def test_fixed_pool_that_overcommits_the_gpu_does_not_fit(budget_of):
+    """A fixed pool too big for the GPU is a shortfall even when it holds the worst case."""
+    b = budget_of(
+        "llama-3.1-8b",
+        gpu_memory_bytes=80 * GiB,
+        kv_cache_memory_bytes=70 * GiB,
+        max_model_len=8192,
+    ).budget
+    assert b.unallocated_bytes_per_gpu < 0
+    assert not b.fits
+    assert b.headroom_bytes_per_gpu == b.unallocated_bytes_per_gpu
+
+
+def test_pipeline_stages_hold_their_own_layers(budget_of):
+    """Gemma-2 over pp=4: stages of 11, 11, 10, 10 layers; the fullest sets the per-GPU figure."""
+    b = budget_of("gemma-2-9b", pp=4, max_model_len=8192).budget
+    # Stage 1 holds layers 11-21: six full (odd) and five sliding, the most KV per sequence.
+    assert b.kv_bytes_per_token_per_gpu == 11 * 8_192
+    assert b.kv_bytes_per_sequence_per_gpu == 8_192 * (6 * 8_192 + 5 * 4_096)
+
+
+def test_kv_dtype_names_are_case_insensitive(budget_of):
+    """AUTO and ' FP8 ' are the same as auto and fp8."""
+    assert budget_of("llama-3.1-8b", kv_cache_dtype="AUTO").budget.kv_cache_dtype == "bf16"
+    assert budget_of("llama-3.1-8b", kv_cache_dtype=" FP8 ").budget.kv_bytes_per_token == 65_536
