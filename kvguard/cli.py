@@ -26,6 +26,7 @@ from kvguard.model.budget import (
 from kvguard.model.gpus import GPU_PRESETS, gpu_preset
 from kvguard.model.units import KV_DTYPES, format_bytes, parse_bytes
 from kvguard.model_files import bundled_models, load_model_files
+from kvguard.sim import engine_cli, loadgen_cli
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvguard {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_budget(commands)
+    engine_cli.register(commands)
+    loadgen_cli.register(commands)
     return parser
 
 

@@ -1,0 +1,227 @@
+"""``kvguard loadgen``: drive an OpenAI-compatible endpoint with a traffic pattern."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvguard.errors import InvalidInputError
+from kvguard.sim.loadgen import LoadConfig, run_load
+from kvguard.sim.loadgen_report import LoadReport
+from kvguard.sim.traffic import DEFAULT_MAX_CONTEXT, PATTERNS, PRIORITIES, PriorityShares
+
+_DEFAULTS = LoadConfig(url="http://127.0.0.1:8000")
+_SHARES_EXAMPLE = "critical=0.1,standard=0.6,sheddable=0.3"
+
+# LoadConfig reports its own field names; the operator typed these flags.
+_FLAG_OF_FIELD = {
+    "url": "--url",
+    "pattern": "--pattern",
+    "duration_s": "--duration",
+    "max_requests": "--max-requests",
+    "concurrency": "--concurrency",
+    "scale": "--scale",
+    "max_context": "--max-context",
+    "endpoint": "--endpoint",
+    "slo_ttft_s": "--slo-ttft",
+    "slo_e2e_s": "--slo-e2e",
+    "request_timeout_s": "--request-timeout",
+    "priority_header": "--priority-header",
+    "model": "--model",
+    "priority_shares": "--priority-shares",
+    **dict.fromkeys(PRIORITIES, "--priority-shares"),
+}
+
+
+def register(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add the ``loadgen`` subcommand."""
+    patterns = "; ".join(f"{name}: {text}" for name, text in PATTERNS.items())
+    p = commands.add_parser(
+        "loadgen",
+        help="drive an OpenAI-compatible endpoint with a traffic pattern (bounded)",
+        description=(
+            "Send a seeded traffic pattern to an OpenAI-compatible server until --duration"
+            " or --max-requests, then report latency percentiles, goodput, shed and failed"
+            " requests, tokens and the engine's preemptions."
+        ),
+        epilog=f"Patterns: {patterns}.",
+    )
+    p.add_argument(
+        "--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000"
+    )
+    p.add_argument(
+        "--pattern",
+        choices=tuple(PATTERNS),
+        default=_DEFAULTS.pattern,
+        help=f"traffic pattern (default {_DEFAULTS.pattern})",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=_DEFAULTS.duration_s,
+        metavar="S",
+        help=f"stop sending after S seconds (default {_DEFAULTS.duration_s:g})",
+    )
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=_DEFAULTS.max_requests,
+        metavar="N",
+        help=f"stop sending after N requests (default {_DEFAULTS.max_requests})",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=_DEFAULTS.concurrency,
+        metavar="C",
+        help=f"requests in flight at most (default {_DEFAULTS.concurrency})",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the pattern and prompts (default 0)"
+    )
+    p.add_argument(
+        "--json", metavar="OUT", help="write the full report as JSON to OUT ('-' for stdout)"
+    )
+    p.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default=_DEFAULTS.endpoint,
+        help="/v1/completions or /v1/chat/completions (default completions)",
+    )
+    p.add_argument(
+        "--no-stream", action="store_true", help="ask for whole answers (no TTFT is measured)"
+    )
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=_DEFAULTS.scale,
+        metavar="F",
+        help="multiply every token size by F, e.g. 0.01 for a tiny pool (default 1)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=DEFAULT_MAX_CONTEXT,
+        metavar="N",
+        help=f"cap prompt + max_tokens of each request at N tokens (default {DEFAULT_MAX_CONTEXT})",
+    )
+    p.add_argument(
+        "--priority-shares",
+        default=_SHARES_EXAMPLE,
+        metavar="SHARES",
+        help=f"mix of priority classes, sent in the priority header (default {_SHARES_EXAMPLE})",
+    )
+    p.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=_DEFAULTS.slo_ttft_s,
+        metavar="S",
+        help=f"time-to-first-token SLO for goodput (default {_DEFAULTS.slo_ttft_s:g} s)",
+    )
+    p.add_argument(
+        "--slo-e2e",
+        type=float,
+        default=_DEFAULTS.slo_e2e_s,
+        metavar="S",
+        help=f"end-to-end latency SLO for goodput (default {_DEFAULTS.slo_e2e_s:g} s)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=_DEFAULTS.request_timeout_s,
+        metavar="S",
+        help=f"give up on one request after S seconds (default {_DEFAULTS.request_timeout_s:g})",
+    )
+    p.add_argument(
+        "--priority-header",
+        default=_DEFAULTS.priority_header,
+        metavar="NAME",
+        help=f"header carrying the priority class (default {_DEFAULTS.priority_header})",
+    )
+    p.add_argument("--model", metavar="NAME", help="model name (default: first of GET /v1/models)")
+    p.set_defaults(handler=run_loadgen)
+
+
+def parse_priority_shares(text: str) -> PriorityShares:
+    """Parse ``critical=0.1,standard=0.6,sheddable=0.3``; a class left out gets 0."""
+    allowed = f"must be NAME=SHARE pairs of {', '.join(PRIORITIES)}, like {_SHARES_EXAMPLE}"
+    shares: dict[str, float] = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in PRIORITIES or name in shares:
+            raise InvalidInputError("--priority-shares", text, allowed)
+        try:
+            share = float(value)
+        except ValueError:
+            raise InvalidInputError("--priority-shares", text, allowed) from None
+        if not math.isfinite(share) or share < 0:
+            raise InvalidInputError("--priority-shares", text, "each share must be a number >= 0")
+        shares[name] = share
+    if sum(shares.values()) <= 0:
+        raise InvalidInputError("--priority-shares", text, "the shares must sum to more than 0")
+    return PriorityShares(**{name: shares.get(name, 0.0) for name in PRIORITIES})
+
+
+def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    """The run's :class:`LoadConfig`; a bad flag raises :class:`InvalidInputError` naming it."""
+    try:
+        return LoadConfig(
+            url=args.url,
+            pattern=args.pattern,
+            duration_s=args.duration,
+            max_requests=args.max_requests,
+            concurrency=args.concurrency,
+            seed=args.seed,
+            priority_shares=parse_priority_shares(args.priority_shares),
+            scale=args.scale,
+            max_context=args.max_context,
+            endpoint=args.endpoint,
+            stream=not args.no_stream,
+            slo_ttft_s=args.slo_ttft,
+            slo_e2e_s=args.slo_e2e,
+            request_timeout_s=args.request_timeout,
+            priority_header=args.priority_header,
+            model=args.model,
+        )
+    except InvalidInputError as exc:
+        flag = _FLAG_OF_FIELD.get(exc.field, exc.field)
+        raise InvalidInputError(flag, exc.value, exc.allowed) from exc
+
+
+def _check_output(out: str | None) -> None:
+    # Checked before the run, so a typo in a path does not cost a whole run.
+    if out is None or out == "-":
+        return
+    path = Path(out)
+    if path.is_dir() or not path.parent.is_dir():
+        raise InvalidInputError("--json", out, "must be a file in an existing directory, or -")
+
+
+def write_json(report: LoadReport, out: str) -> None:
+    """Write the report as JSON to the file ``out``, or to stdout for ``-``."""
+    text = json.dumps(report.as_dict(), indent=2) + "\n"
+    if out == "-":
+        sys.stdout.write(text)
+        return
+    try:
+        Path(out).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise InvalidInputError("--json", out, f"must be writable ({exc.strerror})") from exc
+
+
+def run_loadgen(args: argparse.Namespace) -> int:
+    """Run the load and print the report; 0 even when requests failed or were shed."""
+    config = config_from_args(args)
+    _check_output(args.json)
+    report = asyncio.run(run_load(config))
+    if args.json != "-":
+        sys.stdout.write(report.render() + "\n")
+    if args.json is not None:
+        write_json(report, args.json)
+    return 0
