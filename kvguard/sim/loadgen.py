@@ -21,14 +21,22 @@ import random
 import sys
 from collections import Counter
 from collections.abc import Coroutine, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from kvguard.errors import InvalidInputError
-from kvguard.sim.loadgen_report import ClassCounts, LoadReport, Percentiles, preemptions_in
+from kvguard.sim.loadgen_report import (
+    KV_USAGE_GAUGES,
+    WAITING_GAUGES,
+    ClassCounts,
+    LoadReport,
+    Percentiles,
+    preemptions_in,
+    series_in,
+)
 from kvguard.sim.traffic import (
     DEFAULT_MAX_CONTEXT,
     PATTERNS,
@@ -47,6 +55,7 @@ ENDPOINTS: Mapping[str, str] = {
 SHED_STATUSES = frozenset({429, 503})
 _SCRAPE_TIMEOUT_S = 5.0
 _PROGRESS_INTERVAL_S = 0.5
+_SAMPLE_INTERVAL_S = 0.5
 
 # Plain lowercase words only: no digits, underscores or punctuation, so each is
 # exactly one token to the simulator and close to one to a real tokenizer.
@@ -485,6 +494,26 @@ def _preemption_delta(before: str | None, after: str | None) -> float | None:
     return end - start if end >= start else end
 
 
+@dataclass
+class _CacheSampler:
+    """Samples the engine's KV usage and queue while the run lasts."""
+
+    usage: list[float] = field(default_factory=list)
+    waiting: list[float] = field(default_factory=list)
+
+    async def run(self, session: aiohttp.ClientSession, base_url: str) -> None:
+        while True:
+            text = await _scrape(session, base_url)
+            if text is not None:
+                usage = series_in(text, KV_USAGE_GAUGES, peak=True)
+                waiting = series_in(text, WAITING_GAUGES, peak=False)
+                if usage is not None:
+                    self.usage.append(usage)
+                if waiting is not None:
+                    self.waiting.append(waiting)
+            await asyncio.sleep(_SAMPLE_INTERVAL_S)
+
+
 async def _show_progress(run: _Run) -> None:
     while True:
         sys.stderr.write("\r" + run.progress_line() + "  ")
@@ -509,10 +538,14 @@ async def run_load(config: LoadConfig) -> LoadReport:
         before = await _scrape(session, config.base_url)
         run = _Run(config, session, model)
         progress = asyncio.ensure_future(_show_progress(run)) if sys.stderr.isatty() else None
+        sampler = _CacheSampler()
+        sampling = asyncio.ensure_future(sampler.run(session, config.base_url))
         try:
             await run.dispatch(specs)
             await run.drain()
         finally:
+            sampling.cancel()
+            await asyncio.gather(sampling, return_exceptions=True)
             await run.cancel_all()
             if progress is not None:
                 progress.cancel()
@@ -520,4 +553,10 @@ async def run_load(config: LoadConfig) -> LoadReport:
                 sys.stderr.write("\r" + run.progress_line() + "  \n")
         duration_s = run.loop.time() - run.start
         after = await _scrape(session, config.base_url)
-    return run.report(_preemption_delta(before, after), duration_s)
+    report = run.report(_preemption_delta(before, after), duration_s)
+    return replace(
+        report,
+        kv_usage_peak=max(sampler.usage, default=None),
+        kv_usage_mean=sum(sampler.usage) / len(sampler.usage) if sampler.usage else None,
+        waiting_peak=max(sampler.waiting, default=None),
+    )

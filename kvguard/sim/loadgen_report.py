@@ -14,6 +14,18 @@ PREEMPTION_COUNTERS: tuple[str, ...] = (
     "vllm:num_preemptions_total",
     "sglang:num_retracted_requests_total",
 )
+# Gauges of KV-cache use (0-1; the highest label set counts) and of queued requests
+# (summed), in each engine's names; the first present wins.
+KV_USAGE_GAUGES: tuple[str, ...] = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "sglang:token_usage",
+)
+WAITING_GAUGES: tuple[str, ...] = (
+    "vllm:num_requests_waiting",
+    "sglang:num_queue_reqs",
+    "llamacpp:requests_deferred",
+)
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,7 @@ _SCALAR_FIELDS = (
     *("pattern", "seed", "model", "duration_s", "sent", "succeeded", "failed", "shed"),
     "unfinished",
     *("prompt_tokens", "completion_tokens", "slo_ttft_s", "slo_e2e_s", "goodput"),
-    *("goodput_ratio", "preemptions"),
+    *("goodput_ratio", "preemptions", "kv_usage_peak", "kv_usage_mean", "waiting_peak"),
 )
 
 
@@ -68,7 +80,9 @@ class LoadReport:
     streaming) and ``goodput_ratio`` is that count over all sent requests. Token
     totals come from the server's ``usage`` objects. ``preemptions`` is the rise of
     the engine's preemption counter during the run, None when the server exposes
-    none. ``status_counts`` keys are HTTP codes or ``connection_error``,
+    none. ``kv_usage_peak``/``kv_usage_mean`` (0-1) and ``waiting_peak`` come from
+    sampling the engine's gauges every half second during the run; None when it
+    exposes none. ``status_counts`` keys are HTTP codes or ``connection_error``,
     ``timeout``, ``bad_response``, ``stream_error``, ``incomplete``, ``unfinished``.
     """
 
@@ -92,6 +106,9 @@ class LoadReport:
     goodput_ratio: float | None
     preemptions: float | None
     status_counts: Mapping[str, int]
+    kv_usage_peak: float | None = None
+    kv_usage_mean: float | None = None
+    waiting_peak: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The report as plain JSON-ready values."""
@@ -114,6 +131,13 @@ class LoadReport:
         data["e2e_s"] = pct(self.e2e_s)
         data["status_counts"] = dict(self.status_counts)
         return data
+
+    def _cache_line(self) -> str:
+        if self.kv_usage_peak is None:
+            return "n/a (no engine usage gauge)"
+        mean = "n/a" if self.kv_usage_mean is None else f"{self.kv_usage_mean:.0%}"
+        waiting = "n/a" if self.waiting_peak is None else f"{self.waiting_peak:g}"
+        return f"usage peak {self.kv_usage_peak:.0%}  mean {mean}  waiting peak {waiting}"
 
     def render(self) -> str:
         """A short human-readable table of the report."""
@@ -144,23 +168,32 @@ class LoadReport:
             f"Goodput      {self.goodput} ({ratio} of sent; TTFT <= {self.slo_ttft_s:g} s,"
             f" E2E <= {self.slo_e2e_s:g} s)",
             f"Preemptions  {preempt}",
+            f"KV cache     {self._cache_line()}",
             f"Status       {codes}",
         ]
         return "\n".join(lines)
 
 
-def preemptions_in(text: str) -> float | None:
-    """Sum of the engine's preemption counter in Prometheus exposition ``text``.
+def series_in(text: str, names: tuple[str, ...], *, peak: bool) -> float | None:
+    """The first of ``names`` present in exposition ``text``, over its label sets.
 
-    Sums every label set of the first of :data:`PREEMPTION_COUNTERS` present;
-    None when none is, or when the text does not parse.
+    The maximum when ``peak``, else the sum; None when none of the names is
+    present, or when the text does not parse (as for a missing endpoint).
     """
-    found: dict[str, float] = {}
+    found: dict[str, list[float]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in PREEMPTION_COUNTERS:
-                    found[sample.name] = found.get(sample.name, 0.0) + sample.value
-    except ValueError:  # malformed exposition: treat as "no counter", as a missing endpoint
+                if sample.name in names:
+                    found.setdefault(sample.name, []).append(sample.value)
+    except ValueError:
         return None
-    return next((found[name] for name in PREEMPTION_COUNTERS if name in found), None)
+    values = next((found[name] for name in names if name in found), None)
+    if values is None:
+        return None
+    return max(values) if peak else sum(values)
+
+
+def preemptions_in(text: str) -> float | None:
+    """The engine's preemption counter in ``text``, summed over label sets (None if absent)."""
+    return series_in(text, PREEMPTION_COUNTERS, peak=False)

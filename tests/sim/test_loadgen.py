@@ -209,6 +209,30 @@ async def test_preemptions_are_the_engine_counter_delta(sim_engine):
     assert report.preemptions == delta(before, after, "vllm:num_preemptions_total")
 
 
+async def test_cache_usage_and_queue_are_sampled_during_the_run(sim_engine):
+    """Long conversations in a small pool: the report shows a high usage peak and a queue."""
+    url = await sim_engine(kv_capacity_tokens=2048, max_model_len=1024, per_token_s=0.0002)
+    report = await run_load(
+        LoadConfig(url, pattern="long_context", duration_s=3, max_requests=40, max_context=1024)
+    )
+    assert report.kv_usage_peak is not None
+    assert 0.5 < report.kv_usage_peak <= 1.0
+    assert report.kv_usage_mean is not None
+    assert 0 < report.kv_usage_mean <= report.kv_usage_peak
+    assert report.waiting_peak is not None
+    assert "usage peak" in report.render()
+
+
+async def test_no_usage_gauge_reports_none(sim_engine):
+    """llama.cpp has no KV usage gauge: the report says so instead of inventing one."""
+    url = await sim_engine(**ROOMY, flavor="llamacpp")
+    report = await run_load(
+        LoadConfig(url, pattern="steady", duration_s=1, max_requests=3, scale=0.1)
+    )
+    assert report.kv_usage_peak is None
+    assert report.waiting_peak is not None
+
+
 async def test_sglang_retractions_count_as_preemptions(sim_engine):
     """SGLang's retraction counter is read when vLLM's is absent."""
     url = await sim_engine(**ROOMY, flavor="sglang")
