@@ -8,8 +8,12 @@ failed::
     KvguardError                 anything kvguard reports as a clean, one-line error
     ├── InvalidInputError        a value given to kvguard is out of range or malformed
     │                            (.field names it, .value is what was given)
-    └── ModelConfigError         a model's config.json (or its weight index) cannot be
-                                 read, or lacks a field the budget needs (.source, .field)
+    ├── ConfigError              a kvguard config file is invalid; .problems lists every
+    │                            (field, value, allowed) found, not just the first
+    ├── ModelConfigError         a model's config.json (or its weight index) cannot be
+    │                            read, or lacks a field the budget needs (.source, .field)
+    └── ProbeError               a probe could not read its source this tick (.probe);
+                                 the daemon marks the data stale and keeps ticking
 """
 
 from __future__ import annotations
@@ -46,3 +50,25 @@ class ModelConfigError(KvguardError):
         self.field = field
         prefix = f"{source}: " if source else ""
         super().__init__(f"{prefix}{message}")
+
+
+class ConfigError(KvguardError):
+    """A kvguard config file is invalid.
+
+    ``problems`` holds every problem found, each a ``(field, value, allowed)``
+    triple, so ``kvguard check-config`` can print them all at once.
+    """
+
+    def __init__(self, source: str, problems: list[tuple[str, object, str]]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = [f"{field}: {allowed}, got {value!r}" for field, value, allowed in problems]
+        super().__init__(f"{source}: {len(problems)} problem(s): " + "; ".join(lines))
+
+
+class ProbeError(KvguardError):
+    """A probe failed to read its source (unreachable, timed out, malformed answer)."""
+
+    def __init__(self, probe: str, message: str) -> None:
+        self.probe = probe
+        super().__init__(f"{probe}: {message}")

@@ -1,11 +1,16 @@
-"""Shared fixtures: the model configs bundled with kvguard, loaded from disk."""
+"""Shared fixtures: bundled model configs, and simulated engines on 127.0.0.1."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
 from kvguard.model.budget import BudgetInputs, BudgetReport, plan_budget
 from kvguard.model_files import load_model_files
+from kvguard.sim.engine import TimeModel
+from kvguard.sim.runner import PoolSpec, SimServer, size_pool, start_sim_server
 
 
 @pytest.fixture
@@ -22,3 +27,48 @@ def budget_of():
         )
 
     return run
+
+
+POOL_FIELDS = set(PoolSpec.__dataclass_fields__)
+
+
+@pytest.fixture
+async def sim_server() -> AsyncIterator[Callable[..., Awaitable[SimServer]]]:
+    """Start simulated engines on 127.0.0.1 and stop them after the test.
+
+    Use as ``server = await sim_server(kv_capacity_tokens=...)``.
+
+    Keyword arguments are :class:`PoolSpec` fields, plus ``flavor``, ``seed``,
+    ``dev_endpoints``, ``step_fixed_s`` and ``per_token_s`` (fast defaults for tests).
+    """
+    servers: list[SimServer] = []
+
+    async def start(**kwargs: Any) -> SimServer:
+        pool = size_pool(PoolSpec(**{k: v for k, v in kwargs.items() if k in POOL_FIELDS}))
+        timing = TimeModel(
+            step_fixed_s=kwargs.get("step_fixed_s", 0.002),
+            per_token_s=kwargs.get("per_token_s", 0.00002),
+        )
+        server = await start_sim_server(
+            pool,
+            flavor=kwargs.get("flavor", "vllm"),
+            dev_endpoints=kwargs.get("dev_endpoints", True),
+            time_model=timing,
+            seed=kwargs.get("seed", 0),
+        )
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.stop()
+
+
+@pytest.fixture
+async def sim_engine(sim_server) -> Callable[..., Awaitable[str]]:
+    """Factory like ``sim_server`` that returns only the base URL."""
+
+    async def start(**kwargs: Any) -> str:
+        return (await sim_server(**kwargs)).url
+
+    return start
