@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from kvguard import __version__
+from kvguard import __version__, daemon_cli
 from kvguard.budget_report import budget_to_dict, render_budget
-from kvguard.errors import InvalidInputError, KvguardError
+from kvguard.errors import ConfigError, InvalidInputError, KvguardError
 from kvguard.model.budget import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvguard {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_budget(commands)
+    daemon_cli.register(commands)
     engine_cli.register(commands)
     loadgen_cli.register(commands)
     return parser
@@ -209,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"kvguard {args.command}: error: {_flag(exc.field)}: {exc.allowed}, got {exc.value!r}",
             file=sys.stderr,
         )
+    except ConfigError as exc:
+        for line in exc.lines():
+            print(f"kvguard {args.command}: error: {exc.source}: {line}", file=sys.stderr)
     except KvguardError as exc:
         print(f"kvguard {args.command}: error: {exc}", file=sys.stderr)
     return EXIT_BAD_INPUT

@@ -62,8 +62,14 @@ class ConfigError(KvguardError):
     def __init__(self, source: str, problems: list[tuple[str, object, str]]) -> None:
         self.source = source
         self.problems = problems
-        lines = [f"{field}: {allowed}, got {value!r}" for field, value, allowed in problems]
-        super().__init__(f"{source}: {len(problems)} problem(s): " + "; ".join(lines))
+        super().__init__(f"{source}: {len(problems)} problem(s): " + "; ".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        """One line per problem: ``field: what is allowed, got value``."""
+        return [
+            f"{field}: {allowed}" + ("" if value is None else f", got {value!r}")
+            for field, value, allowed in self.problems
+        ]
 
 
 class ProbeError(KvguardError):

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/install.sh
+bash scripts/install-system.sh
 echo "== ruff"; .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy

@@ -214,7 +214,7 @@ class SimCollector(Collector):
                 "Number of generation tokens processed.",
                 s.generation_tokens_total,
             ),
-            ("sglang:num_requests", "Number of requests processed.", s.requests_total),
+            ("sglang:num_requests", "Number of requests processed.", sum(s.finished.values())),
             (
                 "sglang:num_retracted_requests",
                 "Number of retracted (preempted) requests.",

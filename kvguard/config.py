@@ -1,0 +1,414 @@
+"""kvguard's configuration: one TOML file, validated into frozen objects.
+
+Every problem in a file is collected before anything is reported, so
+``kvguard check-config`` shows them all at once (field, value, what is allowed).
+Unknown keys are errors: a typo must never silently fall back to a default.
+Secrets (the engine's admin token) come from a file or the environment and are
+held in a :class:`Secret`, whose ``repr`` never shows the value.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from kvguard.errors import ConfigError, InvalidInputError
+from kvguard.model.snapshot import ENGINE_KINDS, EngineKind
+from kvguard.model.units import KV_DTYPES, parse_bytes
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+CONFIG_ENV = "KVGUARD_CONFIG"
+TOKEN_ENV = "KVGUARD_ENGINE_TOKEN"  # noqa: S105 - the variable's name, not a secret
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "console")
+
+
+class Secret:
+    """A value that must never reach a log, a status page or a repr."""
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        """The secret itself, for the one place that sends it."""
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``[engine]``: the inference server kvguard watches."""
+
+    url: str
+    kind: EngineKind | Literal["auto"] = "auto"
+    metrics_path: str = "/metrics"
+    token_file: str | None = None
+    token: Secret | None = field(default=None, compare=False)
+    pid: int | None = None
+    process_name: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``[model]``: what the engine serves and how, for the VRAM budget."""
+
+    config: str | None = None
+    tp: int = 1
+    pp: int = 1
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    block_size: int = 16
+    weights_bytes: int | None = None
+    activation_bytes: int | None = None
+    overhead_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    """``[gpu]``: which GPUs to watch, and their memory for the budget."""
+
+    indices: tuple[int, ...] = ()
+    uuids: tuple[str, ...] = ()
+    memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class PollConfig:
+    """``[poll]``: how often to tick and how long a probe may take."""
+
+    interval_s: float = 0.5
+    min_interval_s: float = 0.1
+    timeout_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``[server]``: kvguard's own HTTP API."""
+
+    listen: str = "127.0.0.1:9108"
+
+    @property
+    def host(self) -> str:
+        """The address part of ``listen``."""
+        return self.listen.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        """The port part of ``listen``."""
+        return int(self.listen.rsplit(":", 1)[1])
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """``[log]``: level and format (``auto``: JSON unless stderr is a terminal)."""
+
+    level: str = "info"
+    format: str = "auto"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole validated configuration."""
+
+    engine: EngineConfig
+    model: ModelConfig = ModelConfig()
+    gpu: GpuConfig = GpuConfig()
+    poll: PollConfig = PollConfig()
+    server: ServerConfig = ServerConfig()
+    log: LogConfig = LogConfig()
+    source: str = "<defaults>"
+
+    def redacted(self) -> dict[str, Any]:
+        """The configuration as plain values for /status and check-config, secrets hidden."""
+        engine = self.engine
+        return {
+            "source": self.source,
+            "engine": {
+                "url": engine.url,
+                "kind": engine.kind,
+                "metrics_path": engine.metrics_path,
+                "token_file": engine.token_file,
+                "token": "***" if engine.token is not None else None,
+                "pid": engine.pid,
+                "process_name": engine.process_name,
+            },
+            "model": dict(vars(self.model)),
+            "gpu": {
+                "indices": list(self.gpu.indices),
+                "uuids": list(self.gpu.uuids),
+                "memory_bytes": self.gpu.memory_bytes,
+            },
+            "poll": dict(vars(self.poll)),
+            "server": {"listen": self.server.listen},
+            "log": dict(vars(self.log)),
+        }
+
+
+# ------------------------------------------------------------------ field parsers
+Parser = Callable[[str, object], object]
+
+
+def _int(minimum: int, maximum: int = 2**31) -> Parser:
+    def parse(name: str, value: object) -> object:
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise InvalidInputError(
+                name, value, f"must be an integer from {minimum} to {maximum:,}"
+            )
+        return value
+
+    return parse
+
+
+def _float(low: float, high: float, *, low_open: bool = True) -> Parser:
+    def parse(name: str, value: object) -> object:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            number = float(value)  # type: ignore[arg-type]
+            ok = (low < number if low_open else low <= number) and number <= high
+        if not ok:
+            bracket = "(" if low_open else "["
+            raise InvalidInputError(name, value, f"must be a number in {bracket}{low:g}, {high:g}]")
+        return float(value)  # type: ignore[arg-type]
+
+    return parse
+
+
+def _choice(options: tuple[str, ...]) -> Parser:
+    def parse(name: str, value: object) -> object:
+        if not isinstance(value, str) or value.strip().lower() not in options:
+            raise InvalidInputError(name, value, f"must be one of {', '.join(options)}")
+        return value.strip().lower()
+
+    return parse
+
+
+def _text(name: str, value: object) -> object:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidInputError(name, value, "must be a non-empty string")
+    return value.strip()
+
+
+def _size(name: str, value: object) -> object:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidInputError(name, value, 'must be a size like "80GiB" or a byte count')
+    size = value if isinstance(value, int) else parse_bytes(value, name)
+    if size <= 0:
+        raise InvalidInputError(name, value, "must be a size > 0")
+    return size
+
+
+def _url(name: str, value: object) -> object:
+    allowed = "must be an http(s) URL with a host, e.g. http://127.0.0.1:8000"
+    if not isinstance(value, str):
+        raise InvalidInputError(name, value, allowed)
+    parts = urlsplit(value.strip())
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as exc:
+        raise InvalidInputError(name, value, allowed) from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise InvalidInputError(name, value, allowed)
+    if parts.username or parts.password:
+        # A URL ends up in logs and /status; credentials belong in token_file.
+        raise InvalidInputError(name, "<redacted>", "must not hold credentials (use token_file)")
+    return value.strip().rstrip("/")
+
+
+def _path_in_url(name: str, value: object) -> object:
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise InvalidInputError(name, value, 'must be a path starting with "/"')
+    return value
+
+
+def _listen(name: str, value: object) -> object:
+    allowed = 'must be "HOST:PORT", e.g. "127.0.0.1:9108"'
+    if not isinstance(value, str) or ":" not in value:
+        raise InvalidInputError(name, value, allowed)
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidInputError(name, value, allowed)
+    return value
+
+
+def _list_of(item: Parser) -> Parser:
+    def parse(name: str, value: object) -> object:
+        if not isinstance(value, list):
+            raise InvalidInputError(name, value, "must be a list")
+        return tuple(item(f"{name}[{i}]", v) for i, v in enumerate(value))
+
+    return parse
+
+
+_SCHEMA: dict[str, dict[str, Parser]] = {
+    "engine": {
+        "url": _url,
+        "kind": _choice(("auto", *ENGINE_KINDS)),
+        "metrics_path": _path_in_url,
+        "token_file": _text,
+        "pid": _int(1, 2**22),
+        "process_name": _text,
+    },
+    "model": {
+        "config": _text,
+        "tp": _int(1, 1024),
+        "pp": _int(1, 1024),
+        "max_model_len": _int(1),
+        "max_num_seqs": _int(1, 1_000_000),
+        "max_num_batched_tokens": _int(1),
+        "kv_cache_dtype": _choice(KV_DTYPES),
+        "gpu_memory_utilization": _float(0.0, 1.0),
+        "kv_cache_memory_bytes": _size,
+        "block_size": _int(1, 4096),
+        "weights_bytes": _size,
+        "activation_bytes": _size,
+        "overhead_bytes": _size,
+    },
+    "gpu": {
+        "indices": _list_of(_int(0, 1023)),
+        "uuids": _list_of(_text),
+        "memory": _size,
+    },
+    "poll": {
+        "interval_s": _float(0.0, 60.0),
+        "min_interval_s": _float(0.0, 60.0),
+        "timeout_s": _float(0.0, 60.0),
+    },
+    "server": {"listen": _listen},
+    "log": {"level": _choice(LOG_LEVELS), "format": _choice(LOG_FORMATS)},
+}
+_RENAMED = {("gpu", "memory"): "memory_bytes"}
+
+
+def parse_config(
+    data: Mapping[str, object], source: str = "<config>", env: Mapping[str, str] | None = None
+) -> Config:
+    """Validate parsed TOML into a :class:`Config`.
+
+    Raises :class:`ConfigError` listing every problem found.
+    """
+    env = os.environ if env is None else env
+    problems: list[tuple[str, object, str]] = []
+    sections: dict[str, dict[str, object]] = {name: {} for name in _SCHEMA}
+    for section, body in data.items():
+        if section not in _SCHEMA:
+            problems.append((section, body, f"unknown section (known: {', '.join(_SCHEMA)})"))
+            continue
+        if not isinstance(body, Mapping):
+            problems.append((section, body, "must be a table ([section])"))
+            continue
+        for key, value in body.items():
+            name = f"{section}.{key}"
+            parser = _SCHEMA[section].get(key)
+            if parser is None:
+                known = ", ".join(_SCHEMA[section])
+                problems.append((name, value, f"unknown key (known in [{section}]: {known})"))
+                continue
+            try:
+                target = _RENAMED.get((section, str(key)), str(key))
+                sections[section][target] = parser(name, value)
+            except InvalidInputError as exc:
+                problems.append((exc.field, exc.value, exc.allowed))
+    if "url" not in sections["engine"] and not any(p[0] == "engine.url" for p in problems):
+        problems.append(("engine.url", None, "is required: the engine's base URL"))
+    problems += _cross_checks(sections)
+    token = None
+    if not problems:
+        token, token_problem = _read_token(sections["engine"], env, Path(source).parent)
+        if token_problem:
+            problems.append(token_problem)
+    if problems:
+        raise ConfigError(source, problems)
+    return Config(
+        engine=EngineConfig(**sections["engine"], token=token),  # type: ignore[arg-type]
+        model=ModelConfig(**sections["model"]),  # type: ignore[arg-type]
+        gpu=GpuConfig(**sections["gpu"]),  # type: ignore[arg-type]
+        poll=PollConfig(**sections["poll"]),  # type: ignore[arg-type]
+        server=ServerConfig(**sections["server"]),  # type: ignore[arg-type]
+        log=LogConfig(**sections["log"]),  # type: ignore[arg-type]
+        source=source,
+    )
+
+
+def _cross_checks(sections: dict[str, dict[str, object]]) -> list[tuple[str, object, str]]:
+    problems: list[tuple[str, object, str]] = []
+    engine, gpu, poll = sections["engine"], sections["gpu"], sections["poll"]
+    if "pid" in engine and "process_name" in engine:
+        problems.append(("engine.pid", engine["pid"], "give pid or process_name, not both"))
+    if gpu.get("indices") and gpu.get("uuids"):
+        problems.append(("gpu.indices", gpu["indices"], "give indices or uuids, not both"))
+    interval = poll.get("interval_s", PollConfig.interval_s)
+    minimum = poll.get("min_interval_s", PollConfig.min_interval_s)
+    if isinstance(interval, float) and isinstance(minimum, float) and minimum > interval:
+        problems.append(
+            ("poll.min_interval_s", minimum, f"must be <= poll.interval_s ({interval:g})")
+        )
+    return problems
+
+
+def _read_token(
+    engine: dict[str, object], env: Mapping[str, str], base: Path
+) -> tuple[Secret | None, tuple[str, object, str] | None]:
+    """The engine token from ``token_file`` (relative to the config file) or the environment."""
+    token_file = engine.get("token_file")
+    if isinstance(token_file, str):
+        path = Path(token_file)
+        path = path if path.is_absolute() else base / path
+        try:
+            text = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            return None, (
+                "engine.token_file",
+                token_file,
+                f"must be a readable file ({exc.strerror})",
+            )
+        if not text:
+            return None, ("engine.token_file", token_file, "must not be empty")
+        return Secret(text), None
+    if env.get(TOKEN_ENV):
+        return Secret(env[TOKEN_ENV].strip()), None
+    return None, None
+
+
+def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Read and validate the config at ``path`` (or ``$KVGUARD_CONFIG``)."""
+    env = os.environ if env is None else env
+    chosen = path or env.get(CONFIG_ENV)
+    if not chosen:
+        raise ConfigError(
+            "<config>", [("--config", None, f"give a config file or set {CONFIG_ENV}")]
+        )
+    try:
+        raw = Path(chosen).read_bytes()
+    except OSError as exc:
+        raise ConfigError(chosen, [("file", chosen, f"must be readable ({exc.strerror})")]) from exc
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(chosen, [("file", chosen, f"must be valid TOML ({exc})")]) from exc
+    return parse_config(data, source=chosen, env=env)
+
+
+def config_for_engine(url: str, kind: str = "auto") -> Config:
+    """A minimal config watching ``url`` (for ``kvguard probe`` and tests)."""
+    return parse_config({"engine": {"url": url, "kind": kind}}, source="<command line>", env={})

@@ -1,0 +1,349 @@
+"""The loop: observe every source, build one snapshot per tick, keep the budget.
+
+Time and concurrency live here and nowhere else. Each tick runs every probe
+concurrently with its own timeout; a probe that fails or hangs marks its data
+stale and counts an error, and the loop goes on. The clock and the sleep are
+injected so tests drive ticks without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, TypeVar
+
+import structlog
+
+from kvguard import __version__
+from kvguard.config import Config
+from kvguard.errors import KvguardError, ProbeError
+from kvguard.model.budget import BudgetInputs, BudgetReport, plan_budget
+from kvguard.model.snapshot import EngineStats, GpuMemory, HostStats, Snapshot, SourceReading
+from kvguard.model_files import load_model_files
+from kvguard.probes.base import Probe
+from kvguard.probes.engine import EngineProbe
+from kvguard.probes.host import HostProbe
+from kvguard.probes.nvml import GpuSelector, NvmlProbe
+
+T = TypeVar("T")
+log = structlog.get_logger("kvguard.daemon")
+
+# Poll at the minimum interval when the cache or the GPU is this close to full
+# (earlyoom polls faster as headroom shrinks: the time to react is what is short).
+FAST_POLL_KV_USAGE = 0.9
+FAST_POLL_GPU_FREE_RATIO = 0.05
+# A reported KV capacity this far from the budget's prediction is logged.
+RECONCILIATION_TOLERANCE = 0.05
+
+
+def budget_for(config: Config, gpu_memory_bytes: int | None) -> BudgetReport | None:
+    """The VRAM budget of ``config``'s ``[model]`` on GPUs of ``gpu_memory_bytes``.
+
+    None without ``model.config``; raises :class:`KvguardError` for an unusable one.
+    """
+    model = config.model
+    if model.config is None:
+        return None
+    files = load_model_files(model.config)
+    inputs = BudgetInputs(
+        tp=model.tp,
+        pp=model.pp,
+        max_model_len=model.max_model_len,
+        max_num_seqs=model.max_num_seqs,
+        max_num_batched_tokens=model.max_num_batched_tokens,
+        kv_cache_dtype=model.kv_cache_dtype,
+        gpu_memory_bytes=gpu_memory_bytes,
+        gpu_memory_utilization=model.gpu_memory_utilization,
+        kv_cache_memory_bytes=model.kv_cache_memory_bytes,
+        block_size=model.block_size,
+        weights_bytes=model.weights_bytes,
+        activation_bytes=model.activation_bytes,
+        overhead_bytes=model.overhead_bytes,
+    )
+    return plan_budget(
+        files.config, inputs, index_total_size=files.index_total_size, source=files.source
+    )
+
+
+@dataclass
+class ProbeTracker(Generic[T]):
+    """One probe's last good value, its staleness and its error count."""
+
+    probe: Probe[T]
+    value: T | None = None
+    read_at: float | None = None
+    ok: bool = False
+    error: str | None = None
+    errors_total: int = 0
+    duration_s: float = 0.0
+    ever_failed: bool = False
+
+    def reading(self, now: float) -> SourceReading:
+        """The source's state for the snapshot."""
+        age = None if self.read_at is None else now - self.read_at
+        return SourceReading(self.ok, age, self.error)
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    """The budget's predicted KV capacity against what the engine reports."""
+
+    predicted_tokens: int
+    reported_tokens: int
+
+    @property
+    def difference_tokens(self) -> int:
+        """Reported minus predicted: positive when the engine got more than forecast."""
+        return self.reported_tokens - self.predicted_tokens
+
+    @property
+    def difference_ratio(self) -> float | None:
+        """The difference relative to the prediction."""
+        return self.difference_tokens / self.predicted_tokens if self.predicted_tokens else None
+
+
+@dataclass
+class Probes:
+    """The probes one daemon runs; built from the config, or injected by tests."""
+
+    engine: Probe[EngineStats]
+    nvml: Probe[tuple[GpuMemory, ...]] | None
+    host: Probe[HostStats] | None
+
+    @classmethod
+    def from_config(cls, config: Config) -> Probes:
+        """Probes for the engine, the selected GPUs and the host/engine process."""
+        engine = config.engine
+        token = engine.token.reveal() if engine.token is not None else None
+        pids = (engine.pid,) if engine.pid is not None else ()
+        return cls(
+            engine=EngineProbe(
+                engine.url,
+                kind=engine.kind,
+                metrics_path=engine.metrics_path,
+                token=token,
+                timeout_s=config.poll.timeout_s,
+            ),
+            nvml=NvmlProbe(
+                GpuSelector(config.gpu.indices, config.gpu.uuids, pids),
+                timeout_s=config.poll.timeout_s,
+            ),
+            host=HostProbe(pid=engine.pid, process_name=engine.process_name),
+        )
+
+    def all(self) -> dict[str, Probe[Any]]:
+        """Every configured probe by name."""
+        probes: dict[str, Probe[Any]] = {"engine": self.engine}
+        if self.nvml is not None:
+            probes["nvml"] = self.nvml
+        if self.host is not None:
+            probes["host"] = self.host
+        return probes
+
+
+@dataclass
+class DaemonState:
+    """What the exporter and /status read: the latest of everything."""
+
+    snapshot: Snapshot | None = None
+    budget: BudgetReport | None = None
+    budget_error: str | None = None
+    reconciliation: Reconciliation | None = None
+    ticks_total: int = 0
+    tick_duration_s: float = 0.0
+    last_tick_at: float | None = None
+    started_at: float = 0.0
+    trackers: dict[str, ProbeTracker[Any]] = field(default_factory=dict)
+
+
+class Daemon:
+    """Runs the probes every tick and keeps the budget and reconciliation current."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        probes: Probes | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        dry_run: bool = False,
+    ) -> None:
+        self.config = config
+        self.dry_run = dry_run
+        self.clock = clock
+        self.probes = probes or Probes.from_config(config)
+        self.state = DaemonState(started_at=clock())
+        self.state.trackers = {name: ProbeTracker(p) for name, p in self.probes.all().items()}
+        self._budget_memory: int | None = None
+        self.version = __version__
+        self._reported_mismatch: int | None = None
+        self.refresh_budget()
+
+    # ------------------------------------------------------------------ budget
+    def refresh_budget(self, nvml_total: int | None = None) -> None:
+        """(Re)compute the budget from the config, with NVML's total when no override."""
+        model, gpu = self.config.model, self.config.gpu
+        if model.config is None:
+            self.state.budget = None
+            return
+        memory = gpu.memory_bytes or nvml_total
+        if self.state.budget is not None and memory == self._budget_memory:
+            return
+        self.state.budget = budget_for(self.config, memory)
+        self._budget_memory = memory
+        assert self.state.budget is not None  # noqa: S101 - model.config is set
+        log.info(
+            "budget_computed",
+            model=model.config,
+            gpu_memory_bytes=self.state.budget.budget.gpu_memory_bytes,
+            kv_capacity_tokens=self.state.budget.budget.kv_capacity_tokens,
+            fits=self.state.budget.budget.fits,
+        )
+
+    # ------------------------------------------------------------------ one tick
+    async def tick(self) -> Snapshot:
+        """Run every probe once (concurrently, each with its timeout) and publish a snapshot."""
+        started = self.clock()
+        trackers = self.state.trackers
+        await asyncio.gather(*(self._sample(name, t) for name, t in trackers.items()))
+        now = self.clock()
+        snapshot = Snapshot(
+            taken_at=now,
+            gpus=trackers["nvml"].value if "nvml" in trackers else None,
+            host=trackers["host"].value if "host" in trackers else None,
+            engine=self._engine_view(trackers["engine"]),
+            sources={name: t.reading(now) for name, t in trackers.items()},
+        )
+        gpus = snapshot.gpus
+        if gpus and self.config.gpu.memory_bytes is None:
+            self._refresh_budget_safely(min(g.total_bytes for g in gpus))
+        self._reconcile(snapshot.engine)
+        state = self.state
+        state.snapshot = snapshot
+        state.ticks_total += 1
+        state.tick_duration_s = now - started
+        state.last_tick_at = now
+        return snapshot
+
+    async def _sample(self, name: str, tracker: ProbeTracker[Any]) -> None:
+        started = self.clock()
+        try:
+            value = await asyncio.wait_for(tracker.probe.sample(), self.config.poll.timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            self._failed(name, tracker, f"timed out after {self.config.poll.timeout_s:g} s")
+        except ProbeError as exc:
+            self._failed(name, tracker, str(exc))
+        else:
+            if not tracker.ok and tracker.ever_failed:
+                log.info("probe_recovered", probe=name)
+            tracker.value, tracker.read_at, tracker.ok, tracker.error = (
+                value,
+                self.clock(),
+                True,
+                None,
+            )
+        finally:
+            tracker.duration_s = self.clock() - started
+
+    def _failed(self, name: str, tracker: ProbeTracker[Any], error: str) -> None:
+        if tracker.ok or not tracker.ever_failed or tracker.error != error:
+            # One event per change of state, not one per tick: a dead engine must
+            # not flood the log at two lines a second.
+            log.warning("probe_failed", probe=name, error=error)
+        tracker.ok, tracker.error, tracker.ever_failed = False, error, True
+        tracker.errors_total += 1
+
+    def _engine_view(self, tracker: ProbeTracker[EngineStats]) -> EngineStats | None:
+        """The engine as last seen; marked down while its probe fails."""
+        if tracker.value is None:
+            return None
+        return tracker.value if tracker.ok else replace(tracker.value, up=False)
+
+    def _refresh_budget_safely(self, nvml_total: int) -> None:
+        try:
+            self.refresh_budget(nvml_total)
+        except KvguardError as exc:  # keep the previous budget; say why once
+            if self.state.budget_error != str(exc):
+                log.warning("budget_failed", error=str(exc))
+            self.state.budget_error = str(exc)
+
+    def _reconcile(self, engine: EngineStats | None) -> None:
+        budget = self.state.budget
+        if budget is None or engine is None or engine.kv_capacity_tokens is None:
+            return
+        rec = Reconciliation(budget.budget.kv_capacity_tokens, engine.kv_capacity_tokens)
+        self.state.reconciliation = rec
+        ratio = rec.difference_ratio
+        mismatch = ratio is not None and abs(ratio) > RECONCILIATION_TOLERANCE
+        if mismatch and self._reported_mismatch != rec.reported_tokens:
+            log.warning(
+                "budget_reconciliation_mismatch",
+                predicted_kv_capacity_tokens=rec.predicted_tokens,
+                reported_kv_capacity_tokens=rec.reported_tokens,
+                difference_ratio=round(ratio or 0.0, 4),
+            )
+            self._reported_mismatch = rec.reported_tokens
+
+    # ------------------------------------------------------------------ the loop
+    def next_interval(self) -> float:
+        """Seconds until the next tick: the minimum interval when headroom is small."""
+        poll = self.config.poll
+        snapshot = self.state.snapshot
+        if snapshot is None:
+            return poll.interval_s
+        usage = snapshot.engine.kv_cache_usage_ratio if snapshot.engine else None
+        if usage is not None and usage >= FAST_POLL_KV_USAGE:
+            return poll.min_interval_s
+        for gpu in snapshot.gpus or ():
+            if gpu.total_bytes and gpu.free_bytes / gpu.total_bytes <= FAST_POLL_GPU_FREE_RATIO:
+                return poll.min_interval_s
+        return poll.interval_s
+
+    async def run(
+        self,
+        stop: asyncio.Event,
+        *,
+        after_tick: Callable[[Snapshot], Awaitable[None] | None] | None = None,
+    ) -> None:
+        """Tick until ``stop`` is set; a set ``stop`` lets the current tick finish."""
+        while not stop.is_set():
+            snapshot = await self.tick()
+            if after_tick is not None:
+                result = after_tick(snapshot)
+                if result is not None:
+                    await result
+            try:
+                await asyncio.wait_for(stop.wait(), self.next_interval())
+            except (asyncio.TimeoutError, TimeoutError):
+                continue
+
+    def reload(self, config: Config) -> None:
+        """Adopt a new, already validated config; probes are rebuilt when their settings change."""
+        old = self.config
+        self.config = config
+        if (old.engine, old.gpu, old.poll) != (config.engine, config.gpu, config.poll) or (
+            old.engine.token != config.engine.token
+        ):
+            asyncio.get_running_loop().create_task(self._close_probes(self.probes))
+            self.probes = Probes.from_config(config)
+            self.state.trackers = {name: ProbeTracker(p) for name, p in self.probes.all().items()}
+        if old.model != config.model or old.gpu.memory_bytes != config.gpu.memory_bytes:
+            self.state.budget = None
+            self._budget_memory = None
+            self.state.reconciliation = None
+            self.refresh_budget()
+        log.info("config_reloaded", source=config.source)
+
+    async def close(self) -> None:
+        """Release every probe's resources."""
+        await self._close_probes(self.probes)
+
+    @staticmethod
+    async def _close_probes(probes: Probes) -> None:
+        results = await asyncio.gather(
+            *(probe.close() for probe in probes.all().values()), return_exceptions=True
+        )
+        for result in results:  # closing one must not stop the others
+            if isinstance(result, Exception):
+                log.warning("probe_close_failed", error=str(result))

@@ -1,0 +1,315 @@
+"""``kvguard run``, ``kvguard probe``, ``kvguard status`` and ``kvguard check-config``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from dataclasses import asdict
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from kvguard.config import Config, config_for_engine, load_config
+from kvguard.daemon import Daemon, budget_for
+from kvguard.errors import ConfigError, KvguardError
+from kvguard.model.snapshot import ENGINE_KINDS, EngineStats, Snapshot
+from kvguard.model.units import format_bytes
+from kvguard.server import build_app, status_document
+from kvguard.systemd import SystemdNotifier
+from kvguard.telemetry import configure_logging
+
+log = structlog.get_logger("kvguard.run")
+DEFAULT_STATUS_URL = "http://127.0.0.1:9108"
+# What `kvguard probe --json` always reports about the engine, null when unknown.
+PROBE_ENGINE_KEYS = tuple(EngineStats.__dataclass_fields__)
+
+
+def register(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add run, probe, status and check-config."""
+    run = commands.add_parser(
+        "run",
+        help="watch an engine and its GPUs: snapshot per tick, budget, /metrics, /status",
+        description="Run the kvguard daemon with the config from --config or $KVGUARD_CONFIG.",
+    )
+    run.add_argument("--config", metavar="FILE", help="TOML config (default: $KVGUARD_CONFIG)")
+    run.add_argument(
+        "--dry-run", action="store_true", help="decide and report, never act (no actions exist yet)"
+    )
+    run.set_defaults(handler=run_daemon)
+
+    probe = commands.add_parser(
+        "probe",
+        help="read an engine, the GPUs and the host once and print what kvguard sees",
+        description="Read every probe once against --engine-url (exit 1: engine unreachable).",
+    )
+    probe.add_argument("--engine-url", required=True, metavar="URL", help="the engine's base URL")
+    probe.add_argument("--engine-kind", default="auto", choices=("auto", *ENGINE_KINDS))
+    probe.add_argument("--json", action="store_true", help="print one JSON object")
+    probe.set_defaults(handler=run_probe)
+
+    status = commands.add_parser(
+        "status",
+        help="show a running kvguard's /status (live with --watch)",
+        description="Read /status from a running kvguard and show it.",
+    )
+    status.add_argument(
+        "--url",
+        default=DEFAULT_STATUS_URL,
+        help=f"kvguard's address (default {DEFAULT_STATUS_URL})",
+    )
+    status.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    status.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="refresh period (default 1 s)"
+    )
+    status.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    status.set_defaults(handler=run_status)
+
+    check = commands.add_parser(
+        "check-config",
+        help="validate a config file: every problem at once, or the resolved config",
+        description="Validate FILE (and the model config it names); exit 2 listing every problem.",
+    )
+    check.add_argument("file", metavar="FILE")
+    check.set_defaults(handler=run_check_config)
+
+
+# ------------------------------------------------------------------ run
+def run_daemon(args: argparse.Namespace) -> int:
+    """Load the config and serve until SIGTERM/SIGINT."""
+    config = load_config(args.config)
+    configure_logging(config.log.level, config.log.format)
+    return asyncio.run(serve(config, config_path=config.source, dry_run=args.dry_run))
+
+
+async def serve(config: Config, *, config_path: str | None, dry_run: bool = False) -> int:
+    """The daemon and its HTTP API; SIGHUP reloads ``config_path``."""
+    notifier = SystemdNotifier.from_environment()
+    daemon = Daemon(config, dry_run=dry_run)
+    runner = web.AppRunner(build_app(daemon), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.server.host, config.server.port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        await daemon.close()
+        raise KvguardError(f"cannot listen on {config.server.listen}: {exc.strerror}") from exc
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if config_path:
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(daemon, config_path, notifier))
+    started = False
+
+    def after_tick(_: Snapshot) -> None:
+        nonlocal started
+        if not started:
+            started = True
+            notifier.ready(f"watching {daemon.config.engine.url}")
+            log.info(
+                "started", listen=config.server.listen, engine=config.engine.url, dry_run=dry_run
+            )
+        notifier.watchdog()
+
+    try:
+        await daemon.run(stop, after_tick=after_tick)
+    finally:
+        notifier.stopping()
+        await runner.cleanup()
+        await daemon.close()
+        log.info("stopped")
+    return 0
+
+
+def _reload(daemon: Daemon, path: str, notifier: SystemdNotifier) -> None:
+    notifier.reloading()
+    try:
+        new = load_config(path)
+        daemon.reload(new)
+    except KvguardError as exc:
+        problems = exc.problems if isinstance(exc, ConfigError) else [("config", path, str(exc))]
+        log.error(  # noqa: TRY400 - the problems are the message; a traceback would bury them
+            "config_reload_rejected",
+            source=path,
+            problems=[f"{f}: {a}, got {v!r}" for f, v, a in problems],
+            kept=daemon.config.source,
+        )
+    finally:
+        notifier.ready()
+
+
+# ------------------------------------------------------------------ probe
+def run_probe(args: argparse.Namespace) -> int:
+    """One tick against --engine-url, printed."""
+    configure_logging("error", "auto")
+    config = config_for_engine(args.engine_url, args.engine_kind)
+
+    async def once() -> dict[str, Any]:
+        daemon = Daemon(config)
+        try:
+            await daemon.tick()
+            return probe_document(daemon)
+        finally:
+            await daemon.close()
+
+    document = asyncio.run(once())
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(render_probe(document))
+    return 0 if document["sources"]["engine"]["ok"] else 1
+
+
+def probe_document(daemon: Daemon) -> dict[str, Any]:
+    """What ``kvguard probe`` reports: the normalized snapshot of one tick."""
+    snapshot = daemon.state.snapshot
+    assert snapshot is not None  # noqa: S101 - called after a tick
+    engine: dict[str, Any] = dict.fromkeys(PROBE_ENGINE_KEYS)
+    engine["kind"] = daemon.config.engine.kind if daemon.config.engine.kind != "auto" else None
+    engine["up"] = False
+    if snapshot.engine is not None:
+        engine.update(asdict(snapshot.engine))
+    engine["url"] = daemon.config.engine.url
+    nvml = daemon.probes.nvml
+    return {
+        "engine": engine,
+        "gpus": [asdict(g) for g in snapshot.gpus] if snapshot.gpus else None,
+        "nvml": getattr(nvml, "driver_info", lambda: None)() if nvml is not None else None,
+        "host": asdict(snapshot.host) if snapshot.host else None,
+        "sources": {name: asdict(r) for name, r in snapshot.sources.items()},
+    }
+
+
+def render_probe(doc: dict[str, Any]) -> str:
+    """The probe document as a short table."""
+    engine = doc["engine"]
+    lines = [f"Engine   {engine['url']}  kind {engine['kind'] or 'unknown'}  up {engine['up']}"]
+    lines += [
+        f"  {key:<26} {_fmt(engine[key])}" for key in PROBE_ENGINE_KEYS if key not in ("kind", "up")
+    ]
+    lines += [_gpu_line(gpu) for gpu in doc["gpus"] or []]
+    host = doc["host"]
+    if host:
+        available, total = host["memory_available_bytes"], host["memory_total_bytes"]
+        lines.append(f"Host     available {format_bytes(available)} of {format_bytes(total)}")
+    for name, source in doc["sources"].items():
+        state = "ok" if source["ok"] else f"FAILED: {source['error']}"
+        lines.append(f"Source   {name:<7} {state}")
+    return "\n".join(lines)
+
+
+def _gpu_line(gpu: dict[str, Any]) -> str:
+    used, total = format_bytes(gpu["used_bytes"]), format_bytes(gpu["total_bytes"])
+    return f"GPU {gpu['index']}    {gpu['name']}  used {used} of {total}"
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "unknown"
+    if isinstance(value, dict):
+        return ", ".join(
+            f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items()
+        )
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+# ------------------------------------------------------------------ status
+def run_status(args: argparse.Namespace) -> int:
+    """Print /status once, or refresh it until interrupted."""
+    url = args.url.rstrip("/") + "/status"
+
+    async def fetch(session: aiohttp.ClientSession) -> dict[str, Any]:
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                resp.raise_for_status()
+                data: dict[str, Any] = await resp.json()
+                return data
+        except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
+            raise KvguardError(f"cannot read {url}: {exc or type(exc).__name__}") from exc
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            while True:
+                doc = await fetch(session)
+                text = json.dumps(doc, indent=2) if args.json else render_status(doc)
+                if args.watch:
+                    sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")  # home + clear: redraw in place
+                    sys.stdout.flush()
+                    await asyncio.sleep(args.interval)
+                else:
+                    print(text)
+                    return
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+    return 0
+
+
+def render_status(doc: dict[str, Any]) -> str:
+    """The /status document as a terminal view."""
+    engine = doc.get("engine") or {}
+    tick = doc["tick"]
+    lines = [
+        f"kvguard {doc['version']}{'  (dry run)' if doc.get('dry_run') else ''}"
+        f"  up {doc['uptime_s']:.0f} s  ticks {tick['count']}"
+        f"  next in {tick['next_interval_s']:g} s",
+        f"Engine   {doc['config']['engine']['url']}  kind {engine.get('kind', 'unknown')}"
+        f"  up {engine.get('up', False)}",
+    ]
+    usage = engine.get("kv_cache_usage_ratio")
+    if usage is not None:
+        bar = "█" * round(usage * 30)
+        lines.append(
+            f"KV cache {usage:6.1%} {bar:<30}  used {_fmt(engine.get('kv_used_tokens'))}"
+            f" of {_fmt(engine.get('kv_capacity_tokens'))} tokens"
+        )
+    lines.append(
+        f"Requests running {_fmt(engine.get('requests_running'))}"
+        f"  waiting {_fmt(engine.get('requests_waiting'))}"
+        f"  preemptions {_fmt(engine.get('preemptions_total'))}"
+    )
+    lines += [_gpu_line(gpu) for gpu in doc.get("gpus") or []]
+    budget = doc.get("budget")
+    if budget:
+        verdict = "fits" if budget["fits"] else "DOES NOT FIT"
+        lines.append(
+            f"Budget   {budget['kv_capacity_tokens']:,} KV tokens predicted, headroom"
+            f" {format_bytes(budget['headroom_bytes_per_gpu'])} per GPU: {verdict}"
+        )
+    rec = doc.get("reconciliation")
+    if rec:
+        ratio = rec["difference_ratio"]
+        lines.append(
+            f"Reconcile engine reports {rec['reported_kv_capacity_tokens']:,} tokens"
+            f" ({rec['difference_tokens']:+,}{'' if ratio is None else f', {ratio:+.1%}'})"
+        )
+    for name, source in (doc.get("sources") or {}).items():
+        age = source.get("age_s")
+        state = "ok" if source["ok"] else f"FAILED: {source['error']}"
+        lines.append(f"Source   {name:<7} {state}{'' if age is None else f'  ({age:.1f} s old)'}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ check-config
+def run_check_config(args: argparse.Namespace) -> int:
+    """Validate a config file and the model config it names."""
+    config = load_config(args.file)
+    try:
+        budget_for(config, config.gpu.memory_bytes)
+    except KvguardError as exc:
+        problem = ("model.config", config.model.config, f"must give a usable budget ({exc})")
+        raise ConfigError(config.source, [problem]) from exc
+    print(f"{config.source}: OK")
+    print(json.dumps(config.redacted(), indent=2))
+    return 0
+
+
+__all__ = ["register", "render_status", "serve", "status_document"]

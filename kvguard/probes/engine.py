@@ -1,0 +1,253 @@
+"""The engine probe: scrape an inference server over HTTP and normalize what it says.
+
+One :meth:`EngineProbe.sample` fetches the metrics endpoint, the adapter's extra
+JSON endpoints (llama.cpp ``/slots`` and ``/props``) and the health endpoint
+concurrently, each under its own timeout, then hands the bodies to the pure
+adapter of :mod:`kvguard.probes.engines`. With ``kind="auto"`` the engine is told
+from its metric names on the first good scrape and kept from then on.
+
+Every failure to read the metrics (refused, timed out, non-200, oversized,
+malformed) becomes :class:`~kvguard.errors.ProbeError`; aiohttp and asyncio
+errors never escape. A failing extra or health endpoint does not fail the tick:
+the fields it feeds become unknown, or ``up`` turns false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
+
+import aiohttp
+from yarl import URL
+
+from kvguard.errors import InvalidInputError, ProbeError
+from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
+from kvguard.probes.engines import ADAPTERS, EngineAdapter, EngineScrape
+from kvguard.probes.engines.base import KIND_PREFIXES, PROBE_NAME, detect_kind
+
+T = TypeVar("T")
+
+MiB = 1024 * 1024
+# Real expositions are tens to hundreds of KB; far more means a wrong endpoint or a runaway one.
+DEFAULT_MAX_BODY_BYTES = 16 * MiB
+_CHUNK_BYTES = 64 * 1024
+# Parsing is pure Python; large bodies go to a thread so the daemon's loop keeps ticking.
+_PARSE_IN_THREAD_BYTES = 256 * 1024
+# Ask for the classic text format: some servers answer OpenMetrics or protobuf if allowed.
+_ACCEPT_METRICS = "text/plain;version=0.0.4;q=1.0,*/*;q=0.1"
+
+# Errors a request can end in: aiohttp's own tree, timeouts, and OS-level socket errors.
+_HTTP_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+class _UnavailableError(Exception):
+    """An endpoint did not give a usable answer; ``str()`` says why (for ProbeError)."""
+
+
+class EngineProbe:
+    """Reads one engine's metrics (and llama.cpp's slots) into :class:`EngineStats`.
+
+    ``url`` is the engine's base URL (``http://127.0.0.1:8000``); paths are
+    appended to it, and redirects are not followed, so the probe talks to that
+    server only. ``token`` is sent as ``Authorization: Bearer`` and never logged
+    or put in an error message. ``timeout_s`` bounds each request, and a body over
+    ``max_body_bytes`` is refused. A ``session`` passed in is used as is and left
+    open by :meth:`close`.
+    """
+
+    name = PROBE_NAME
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        kind: EngineKind | Literal["auto"] = "auto",
+        metrics_path: str = "/metrics",
+        token: str | None = None,
+        timeout_s: float = 2.0,
+        session: aiohttp.ClientSession | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        base = URL(url)
+        if base.scheme not in ("http", "https") or not base.host:
+            raise InvalidInputError("engine url", url, "must be an http:// or https:// URL")
+        if kind != "auto" and kind not in ADAPTERS:
+            raise InvalidInputError("engine kind", kind, f"must be auto or one of {_kinds()}")
+        if not metrics_path.startswith("/"):
+            raise InvalidInputError("metrics_path", metrics_path, "must start with /")
+        if timeout_s <= 0:
+            raise InvalidInputError("timeout_s", timeout_s, "must be > 0")
+        self._base = str(base).rstrip("/")
+        self._kind: EngineKind | None = None if kind == "auto" else kind
+        self._metrics_path = metrics_path
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session = session
+        self._owns_session = session is None
+        self._max_body_bytes = max_body_bytes
+
+    @property
+    def kind(self) -> EngineKind | None:
+        """The engine's kind: as configured, or as detected (None until then)."""
+        return self._kind
+
+    @property
+    def actions(self) -> frozenset[EngineAction]:
+        """Admin actions the engine offers; empty while its kind is unknown."""
+        return ADAPTERS[self._kind].actions if self._kind is not None else frozenset()
+
+    async def sample(self) -> EngineStats:
+        """Scrape the engine once; raises :class:`ProbeError` when its metrics cannot be read."""
+        session = self._client()
+        if self._kind is None:
+            text = await self._metrics(session)
+            kind = await _off_loop(len(text), lambda: detect_kind(text))
+            if kind is None:
+                prefixes = ", ".join(prefix for _, prefix in KIND_PREFIXES)
+                raise ProbeError(
+                    PROBE_NAME,
+                    f"no known engine metrics at {self._url(self._metrics_path)}"
+                    f" (looked for names starting {prefixes}); set the engine kind",
+                )
+            self._kind = kind
+            adapter = ADAPTERS[kind]
+            extras, healthy = await asyncio.gather(
+                self._extras(session, adapter), self._healthy(session, adapter)
+            )
+        else:
+            adapter = ADAPTERS[self._kind]
+            # return_exceptions: when the metrics fail, the other requests still
+            # finish here instead of running on unobserved after we raise.
+            metrics, extras, healthy = await asyncio.gather(
+                self._metrics(session),
+                self._extras(session, adapter),
+                self._healthy(session, adapter),
+                return_exceptions=True,
+            )
+            if isinstance(metrics, BaseException):
+                raise metrics
+            if isinstance(extras, BaseException):
+                raise extras
+            if isinstance(healthy, BaseException):
+                raise healthy
+            text = metrics
+        scrape = EngineScrape(
+            metrics_text=text,
+            slots=_json_list(extras.get("/slots")),
+            props=_json_object(extras.get("/props")),
+            healthy=healthy,
+        )
+        return await _off_loop(len(text), lambda: adapter.parse(scrape))
+
+    async def close(self) -> None:
+        """Close the HTTP session if this probe created it."""
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+        self._session = None
+
+    # ------------------------------------------------------------------ HTTP
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # Created lazily: a ClientSession must be made inside the running loop.
+            self._session = aiohttp.ClientSession(trust_env=False)
+            self._owns_session = True
+        return self._session
+
+    def _url(self, path: str) -> str:
+        return self._base + path
+
+    async def _get(
+        self, session: aiohttp.ClientSession, path: str, accept: str
+    ) -> tuple[int, bytes]:
+        """Status and body of ``GET path``; raises :class:`_UnavailableError`."""
+        url = self._url(path)
+        try:
+            async with session.get(
+                url,
+                headers={**self._headers, "Accept": accept},
+                timeout=self._timeout,
+                allow_redirects=False,
+            ) as response:
+                if response.status != 200:
+                    return response.status, b""
+                return response.status, await self._read_capped(response, url)
+        except asyncio.TimeoutError as exc:
+            raise _UnavailableError(f"{url}: no answer within {self._timeout.total:g} s") from exc
+        except _HTTP_ERRORS as exc:
+            # aiohttp's messages name the host and the cause, never the headers.
+            raise _UnavailableError(f"{url}: {type(exc).__name__}: {exc}") from exc
+
+    async def _read_capped(self, response: aiohttp.ClientResponse, url: str) -> bytes:
+        limit = self._max_body_bytes
+        if response.content_length is not None and response.content_length > limit:
+            raise _UnavailableError(f"{url}: body of {response.content_length} bytes over {limit}")
+        body = bytearray()
+        async for chunk in response.content.iter_chunked(_CHUNK_BYTES):
+            body += chunk
+            if len(body) > limit:  # counts decompressed bytes, so gzip bombs stop here too
+                raise _UnavailableError(f"{url}: body over {limit} bytes")
+        return bytes(body)
+
+    async def _metrics(self, session: aiohttp.ClientSession) -> str:
+        try:
+            status, body = await self._get(session, self._metrics_path, _ACCEPT_METRICS)
+        except _UnavailableError as exc:
+            raise ProbeError(PROBE_NAME, str(exc)) from exc
+        if status != 200:
+            url = self._url(self._metrics_path)
+            raise ProbeError(PROBE_NAME, f"{url}: HTTP {status}")
+        return body.decode("utf-8", errors="replace")
+
+    async def _extras(
+        self, session: aiohttp.ClientSession, adapter: EngineAdapter
+    ) -> dict[str, Any]:
+        """The adapter's extra endpoints as parsed JSON; a failing one is left out."""
+        paths = adapter.extra_paths
+        answers = await asyncio.gather(
+            *(self._get(session, path, "application/json") for path in paths),
+            return_exceptions=True,
+        )
+        found: dict[str, Any] = {}
+        for path, answer in zip(paths, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if not isinstance(answer, _UnavailableError):
+                    raise answer  # cancellation and bugs must not be swallowed
+                continue
+            status, body = answer
+            if status == 200:
+                try:
+                    found[path] = json.loads(body)
+                except (ValueError, RecursionError):  # not JSON, bad UTF-8, absurd nesting
+                    continue
+        return found
+
+    async def _healthy(self, session: aiohttp.ClientSession, adapter: EngineAdapter) -> bool:
+        try:
+            status, _ = await self._get(session, adapter.health_path, "*/*")
+        except _UnavailableError:
+            return False
+        # _get reads bodies of 200 only; any 2xx is healthy.
+        return 200 <= status < 300
+
+
+async def _off_loop(size: int, work: Callable[[], T]) -> T:
+    """Run pure parsing inline when small, in a thread when large."""
+    if size < _PARSE_IN_THREAD_BYTES:
+        return work()
+    return await asyncio.to_thread(work)
+
+
+def _json_list(value: object) -> list[dict[str, Any]] | None:
+    if isinstance(value, list) and all(isinstance(item, dict) for item in value):
+        return value
+    return None
+
+
+def _json_object(value: object) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None
+
+
+def _kinds() -> str:
+    return ", ".join(ADAPTERS)

@@ -1,0 +1,82 @@
+"""llama.cpp ``llama-server``: ``llamacpp:*`` metrics plus ``/slots`` into :class:`EngineStats`.
+
+llama.cpp no longer exports a KV gauge, so KV use is counted from ``GET /slots``:
+each slot owns ``n_ctx`` tokens of context, and a processing slot holds its prompt
+plus what it has decoded so far. Without ``/slots`` those fields fall back to
+``/props`` for capacity, and are unknown otherwise. llama.cpp does not preempt,
+and has no block size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
+from kvguard.probes.engines.base import EngineScrape, as_int, parse_exposition, ratio
+
+
+class LlamacppAdapter:
+    """llama-server's metrics (``--metrics``), ``/slots`` and ``/props``."""
+
+    kind: EngineKind = "llamacpp"
+    actions: frozenset[EngineAction] = frozenset({"evict"})
+    extra_paths: tuple[str, ...] = ("/slots", "/props")
+    health_path: str = "/health"
+
+    def parse(self, scrape: EngineScrape) -> EngineStats:
+        """Normalize one llama-server scrape."""
+        samples = parse_exposition(scrape.metrics_text)
+        capacity, used = _from_slots(scrape.slots)
+        if capacity is None:
+            capacity = _capacity_from_props(scrape.props)
+        return EngineStats(
+            kind="llamacpp",
+            up=scrape.healthy,
+            kv_cache_usage_ratio=ratio(used, capacity),
+            kv_capacity_tokens=capacity,
+            kv_used_tokens=used,
+            requests_running=samples.total("llamacpp:requests_processing"),
+            requests_waiting=samples.total("llamacpp:requests_deferred"),
+            prompt_tokens_total=samples.total("llamacpp:prompt_tokens_total"),
+            generation_tokens_total=samples.total("llamacpp:tokens_predicted_total"),
+        )
+
+
+def _from_slots(slots: list[dict[str, Any]] | None) -> tuple[int | None, int | None]:
+    """Context capacity and tokens in use, summed over slots; (None, None) if unreadable."""
+    if not slots:
+        return None, None
+    capacity = used = 0
+    for slot in slots:
+        n_ctx = _count(slot.get("n_ctx"))
+        if n_ctx is None:
+            return None, None
+        # Slots split the context (-c) between them, so their n_ctx add up to it.
+        capacity += n_ctx
+        if slot.get("is_processing") is True:
+            used += (_count(slot.get("n_prompt_tokens")) or 0) + _decoded(slot)
+    return capacity, used
+
+
+def _decoded(slot: dict[str, Any]) -> int:
+    next_token = slot.get("next_token")
+    if isinstance(next_token, list) and next_token and isinstance(next_token[0], dict):
+        return _count(next_token[0].get("n_decoded")) or 0
+    return 0
+
+
+def _capacity_from_props(props: dict[str, Any] | None) -> int | None:
+    if not props:
+        return None
+    slots = _count(props.get("total_slots"))
+    settings = props.get("default_generation_settings")
+    n_ctx = _count(settings.get("n_ctx")) if isinstance(settings, dict) else None
+    return slots * n_ctx if slots is not None and n_ctx is not None else None
+
+
+def _count(value: object) -> int | None:
+    """A non-negative JSON number as an int; None for anything else (bools included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = as_int(value)
+    return number if number is not None and number >= 0 else None

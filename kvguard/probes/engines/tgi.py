@@ -1,0 +1,52 @@
+"""TGI (text-generation-inference): ``tgi_*`` series into :class:`EngineStats`.
+
+TGI exports a token budget rather than a KV pool: ``tgi_batch_max_total_tokens``
+(set after warm-up) is what all running sequences may hold together, and
+``tgi_batch_current_max_tokens`` is what the running batch may grow to. There is
+no preemption counter. TGI's Rust exporter names counters without ``_total``
+(the parser adds it when a ``# TYPE`` line says counter); both spellings are read.
+"""
+
+from __future__ import annotations
+
+from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
+from kvguard.probes.engines.base import EngineScrape, Samples, as_int, parse_exposition, ratio
+
+
+class TgiAdapter:
+    """TGI's metrics; TGI offers no admin actions."""
+
+    kind: EngineKind = "tgi"
+    actions: frozenset[EngineAction] = frozenset()
+    extra_paths: tuple[str, ...] = ()
+    health_path: str = "/health"
+
+    def parse(self, scrape: EngineScrape) -> EngineStats:
+        """Normalize one TGI scrape."""
+        samples = parse_exposition(scrape.metrics_text)
+        capacity = as_int(samples.total("tgi_batch_max_total_tokens"))
+        used = as_int(samples.total("tgi_batch_current_max_tokens"))
+        return EngineStats(
+            kind="tgi",
+            up=scrape.healthy,
+            kv_cache_usage_ratio=ratio(used, capacity),
+            kv_capacity_tokens=capacity,
+            kv_used_tokens=used,
+            requests_running=samples.total("tgi_batch_current_size"),
+            requests_waiting=samples.total("tgi_queue_size"),
+            requests_finished_total=_finished(samples),
+            request_prompt_tokens=samples.histogram("tgi_request_input_length"),
+            request_generation_tokens=samples.histogram("tgi_request_generated_tokens"),
+        )
+
+
+def _finished(samples: Samples) -> float | None:
+    """Requests that ended, successful or failed.
+
+    ``tgi_request_count`` goes up when a request *arrives* (router/src/server.rs),
+    so it is only the fallback when success/failure counters are absent.
+    """
+    success = samples.total("tgi_request_success_total", "tgi_request_success")
+    if success is None:
+        return samples.total("tgi_request_count_total", "tgi_request_count")
+    return success + (samples.total("tgi_request_failure_total", "tgi_request_failure") or 0.0)

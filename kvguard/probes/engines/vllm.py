@@ -1,0 +1,123 @@
+"""vLLM (v1 engine): ``vllm:*`` series into :class:`EngineStats`.
+
+Names and meanings are in ../shared/ENGINES.md. Data-parallel deployments label
+every series with ``engine="0"``, ``"1"``, …: counts, counters and capacity are
+added over engines, and the usage ratio is the highest engine's (the one that
+preempts first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
+from kvguard.probes.engines.base import EngineScrape, Samples, as_int, parse_exposition
+
+USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, then old
+
+
+@dataclass(frozen=True)
+class _CacheConfig:
+    """One engine's ``vllm:cache_config_info`` labels that matter here."""
+
+    num_gpu_blocks: int | None
+    block_size: int | None
+    cache_dtype: str | None
+
+
+class VllmAdapter:
+    """vLLM's metrics: KV usage ratio plus ``cache_config_info`` for capacity."""
+
+    kind: EngineKind = "vllm"
+    actions: frozenset[EngineAction] = frozenset({"evict", "pause", "abort"})
+    extra_paths: tuple[str, ...] = ()
+    health_path: str = "/health"
+
+    def parse(self, scrape: EngineScrape) -> EngineStats:
+        """Normalize one vLLM scrape."""
+        samples = parse_exposition(scrape.metrics_text)
+        configs = _cache_configs(samples)
+        usage_by_engine = _usage_by_engine(samples)
+        blocks, capacity_tokens = _capacity(configs)
+        block_sizes = {c.block_size for c in configs.values() if c.block_size is not None}
+        dtypes = [c.cache_dtype for c in configs.values() if c.cache_dtype]
+        return EngineStats(
+            kind="vllm",
+            up=scrape.healthy,
+            kv_cache_usage_ratio=max(usage_by_engine.values()) if usage_by_engine else None,
+            kv_capacity_tokens=capacity_tokens,
+            kv_capacity_blocks=blocks,
+            # Engines of one deployment share a block size; a mix has no single answer.
+            block_size=block_sizes.pop() if len(block_sizes) == 1 else None,
+            kv_used_tokens=_used_tokens(usage_by_engine, configs),
+            cache_dtype=dtypes[0] if dtypes else None,
+            requests_running=samples.total("vllm:num_requests_running"),
+            requests_waiting=samples.total("vllm:num_requests_waiting"),
+            preemptions_total=samples.total("vllm:num_preemptions_total"),
+            prompt_tokens_total=samples.total("vllm:prompt_tokens_total"),
+            generation_tokens_total=samples.total("vllm:generation_tokens_total"),
+            requests_finished_total=samples.total("vllm:request_success_total"),
+            request_prompt_tokens=samples.histogram("vllm:request_prompt_tokens"),
+            request_generation_tokens=samples.histogram("vllm:request_generation_tokens"),
+        )
+
+
+def _engine_of(labels: dict[str, str]) -> str:
+    # Versions before data parallelism have no `engine` label: one engine, "".
+    return labels.get("engine", "")
+
+
+def _usage_by_engine(samples: Samples) -> dict[str, float]:
+    name = samples.first_present(*USAGE_NAMES)
+    usage: dict[str, float] = {}
+    if name is None:
+        return usage
+    for labels, value in samples.series(name):
+        engine = _engine_of(labels)
+        usage[engine] = max(value, usage.get(engine, value))
+    return usage
+
+
+def _cache_configs(samples: Samples) -> dict[str, _CacheConfig]:
+    # The label set changes between versions: read whichever labels are there.
+    configs: dict[str, _CacheConfig] = {}
+    for labels, _ in samples.series("vllm:cache_config_info"):
+        configs[_engine_of(labels)] = _CacheConfig(
+            num_gpu_blocks=as_int(labels.get("num_gpu_blocks")),
+            block_size=as_int(labels.get("block_size")),
+            cache_dtype=labels.get("cache_dtype") or None,
+        )
+    return configs
+
+
+def _used_tokens(usage: dict[str, float], configs: dict[str, _CacheConfig]) -> int | None:
+    """Tokens in use: each engine's usage of its blocks minus vLLM's one reserved null block."""
+    if len(usage) == 1 and len(configs) == 1:
+        # One engine each, even if only one side carries an `engine` label.
+        pairs = [(next(iter(usage.values())), next(iter(configs.values())))]
+    else:
+        if not usage or set(usage) - set(configs):
+            return None
+        pairs = [(value, configs[engine]) for engine, value in usage.items()]
+    used = 0
+    for value, config in pairs:
+        if config.num_gpu_blocks is None or config.block_size is None:
+            return None
+        used += round(value * max(config.num_gpu_blocks - 1, 0) * config.block_size)
+    return used
+
+
+def _capacity(configs: dict[str, _CacheConfig]) -> tuple[int | None, int | None]:
+    """Blocks and tokens over all engines; unknown if any engine's figure is unknown."""
+    if not configs:
+        return None, None
+    blocks, tokens, tokens_known = 0, 0, True
+    for config in configs.values():
+        if config.num_gpu_blocks is None:
+            return None, None
+        blocks += config.num_gpu_blocks
+        if config.block_size is None:
+            tokens_known = False
+        else:
+            tokens += config.num_gpu_blocks * config.block_size
+    return blocks, tokens if tokens_known else None

@@ -1,0 +1,132 @@
+"""kvguard's own HTTP API: /metrics, /healthz, /readyz, /status.
+
+Listens on 127.0.0.1:9108 by default. Everything here reads the daemon's latest
+state; nothing blocks on a probe. Control endpoints (later releases) require a
+bearer token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvguard.budget_report import budget_to_dict
+from kvguard.daemon import Daemon
+from kvguard.telemetry import daemon_registry
+
+DAEMON_KEY = web.AppKey("daemon", Daemon)
+# /healthz fails when no tick completed for this many poll intervals (plus a timeout).
+STALE_TICKS = 3
+
+
+def build_app(daemon: Daemon) -> web.Application:
+    """The aiohttp application of kvguard's API over ``daemon``."""
+    app = web.Application()
+    app[DAEMON_KEY] = daemon
+    registry = daemon_registry(daemon)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/status", status)
+    return app
+
+
+def tick_age_s(daemon: Daemon) -> float | None:
+    """Seconds since the last completed tick; None before the first."""
+    last = daemon.state.last_tick_at
+    return None if last is None else daemon.clock() - last
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """200 while the loop is alive and ticking; 503 when it stalled."""
+    daemon = request.app[DAEMON_KEY]
+    age = tick_age_s(daemon)
+    poll = daemon.config.poll
+    limit = STALE_TICKS * poll.interval_s + poll.timeout_s
+    if age is None or age > limit:
+        reason = "no tick yet" if age is None else f"last tick {age:.1f} s ago (limit {limit:g} s)"
+        return web.json_response({"status": "stalled", "reason": reason}, status=503)
+    return web.json_response({"status": "ok", "last_tick_age_s": round(age, 3)})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """200 while the engine answers and reports itself healthy; 503 otherwise."""
+    daemon = request.app[DAEMON_KEY]
+    snapshot = daemon.state.snapshot
+    source = snapshot.sources.get("engine") if snapshot else None
+    if snapshot is None or source is None:
+        return web.json_response({"status": "not ready", "reason": "no tick yet"}, status=503)
+    if not source.ok:
+        return web.json_response(
+            {"status": "not ready", "reason": f"engine unreachable: {source.error}"}, status=503
+        )
+    if snapshot.engine is None or not snapshot.engine.up:
+        return web.json_response(
+            {"status": "not ready", "reason": "engine reports unhealthy"}, status=503
+        )
+    return web.json_response({"status": "ready"})
+
+
+def status_document(daemon: Daemon) -> dict[str, Any]:
+    """The /status JSON: config (redacted), budget, latest snapshot, staleness, reconciliation."""
+    state = daemon.state
+    snapshot = state.snapshot
+    budget = None
+    if state.budget is not None:
+        model = daemon.config.model.config or ""
+        gpu = "configured" if daemon.config.gpu.memory_bytes else "from NVML or default"
+        budget = budget_to_dict(state.budget, model, gpu)
+    rec = state.reconciliation
+    return {
+        "version": daemon.version,
+        "dry_run": daemon.dry_run,
+        "uptime_s": round(daemon.clock() - state.started_at, 3),
+        "config": daemon.config.redacted(),
+        "tick": {
+            "count": state.ticks_total,
+            "last_age_s": tick_age_s(daemon),
+            "duration_s": state.tick_duration_s,
+            "next_interval_s": daemon.next_interval(),
+        },
+        "sources": {
+            name: asdict(reading)
+            for name, reading in (snapshot.sources if snapshot else {}).items()
+        },
+        "engine": _engine(daemon),
+        "gpus": [asdict(g) for g in snapshot.gpus] if snapshot and snapshot.gpus else None,
+        "host": asdict(snapshot.host) if snapshot and snapshot.host else None,
+        "budget": budget,
+        "budget_error": state.budget_error,
+        "reconciliation": None
+        if rec is None
+        else {
+            "predicted_kv_capacity_tokens": rec.predicted_tokens,
+            "reported_kv_capacity_tokens": rec.reported_tokens,
+            "difference_tokens": rec.difference_tokens,
+            "difference_ratio": rec.difference_ratio,
+        },
+    }
+
+
+def _engine(daemon: Daemon) -> dict[str, Any] | None:
+    snapshot = daemon.state.snapshot
+    if snapshot is None or snapshot.engine is None:
+        return None
+    data = asdict(snapshot.engine)
+    probe = daemon.probes.engine
+    data["actions"] = sorted(getattr(probe, "actions", ()) or ())
+    return data
+
+
+async def status(request: web.Request) -> web.Response:
+    """GET /status."""
+    return web.json_response(status_document(request.app[DAEMON_KEY]))

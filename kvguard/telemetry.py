@@ -1,0 +1,225 @@
+"""kvguard's own metrics and logs.
+
+:class:`DaemonCollector` reads the daemon's latest state at scrape time (no
+background updates, nothing to go stale between ticks) and yields every
+``kvguard_*`` series; docs/metrics.md lists them. A value kvguard does not know is
+left out, never exported as 0. :func:`configure_logging` sets up structlog: JSON
+lines when stderr is not a terminal, a readable console otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+
+import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from kvguard.daemon import Daemon
+
+BUDGET_COMPONENTS = ("weights", "kv_pool", "activations", "overhead", "headroom")
+
+
+def _gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
+    if value is not None:
+        yield GaugeMetricFamily(name, doc, value=value)
+
+
+class DaemonCollector(Collector):
+    """Every kvguard_* series, from the daemon's state at the moment of the scrape."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the families; unknown values are omitted."""
+        yield from self._self_metrics()
+        yield from self._gpu_metrics()
+        yield from self._host_metrics()
+        yield from self._engine_metrics()
+        yield from self._budget_metrics()
+
+    def _self_metrics(self) -> Iterator[Metric]:
+        state = self.daemon.state
+        info = GaugeMetricFamily("kvguard_build_info", "kvguard's version.", labels=["version"])
+        info.add_metric([self.daemon.version], 1.0)
+        yield info
+        up = GaugeMetricFamily(
+            "kvguard_probe_up", "Whether the probe's last read worked.", labels=["probe"]
+        )
+        duration = GaugeMetricFamily(
+            "kvguard_probe_duration_seconds", "Duration of the probe's last read.", labels=["probe"]
+        )
+        errors = CounterMetricFamily(
+            "kvguard_probe_errors", "Failed probe reads.", labels=["probe"]
+        )
+        for name, tracker in sorted(state.trackers.items()):
+            up.add_metric([name], 1.0 if tracker.ok else 0.0)
+            duration.add_metric([name], tracker.duration_s)
+            errors.add_metric([name], tracker.errors_total)
+        yield from (up, duration, errors)
+        yield from _gauge(
+            "kvguard_tick_duration_seconds", "Duration of the last tick.", state.tick_duration_s
+        )
+        yield CounterMetricFamily("kvguard_ticks", "Ticks completed.", value=state.ticks_total)
+
+    def _gpu_metrics(self) -> Iterator[Metric]:
+        snapshot = self.daemon.state.snapshot
+        if snapshot is None or not snapshot.gpus:
+            return
+        families = {
+            "total": GaugeMetricFamily(
+                "kvguard_gpu_memory_total_bytes", "GPU memory, total.", labels=["gpu"]
+            ),
+            "used": GaugeMetricFamily(
+                "kvguard_gpu_memory_used_bytes", "GPU memory in use.", labels=["gpu"]
+            ),
+            "free": GaugeMetricFamily(
+                "kvguard_gpu_memory_free_bytes", "GPU memory free.", labels=["gpu"]
+            ),
+            "reserved": GaugeMetricFamily(
+                "kvguard_gpu_memory_reserved_bytes",
+                "GPU memory reserved by the driver.",
+                labels=["gpu"],
+            ),
+        }
+        process = GaugeMetricFamily(
+            "kvguard_gpu_process_memory_bytes", "GPU memory of one process.", labels=["gpu", "pid"]
+        )
+        for gpu in snapshot.gpus:
+            label = [str(gpu.index)]
+            families["total"].add_metric(label, gpu.total_bytes)
+            families["used"].add_metric(label, gpu.used_bytes)
+            families["free"].add_metric(label, gpu.free_bytes)
+            if gpu.reserved_bytes is not None:
+                families["reserved"].add_metric(label, gpu.reserved_bytes)
+            for proc in gpu.processes:
+                if proc.used_bytes is not None:
+                    process.add_metric([str(gpu.index), str(proc.pid)], proc.used_bytes)
+        yield from families.values()
+        yield process
+
+    def _host_metrics(self) -> Iterator[Metric]:
+        snapshot = self.daemon.state.snapshot
+        host = snapshot.host if snapshot else None
+        if host is None:
+            return
+        yield from _gauge(
+            "kvguard_host_memory_total_bytes", "Host memory, total.", host.memory_total_bytes
+        )
+        yield from _gauge(
+            "kvguard_host_memory_available_bytes",
+            "Host memory available.",
+            host.memory_available_bytes,
+        )
+        yield from _gauge(
+            "kvguard_engine_process_resident_bytes",
+            "Resident memory of the engine process.",
+            host.engine_resident_bytes,
+        )
+        yield from _gauge(
+            "kvguard_engine_process_cpu_ratio",
+            "CPU of the engine process, in cores.",
+            host.engine_cpu_ratio,
+        )
+
+    def _engine_metrics(self) -> Iterator[Metric]:
+        snapshot = self.daemon.state.snapshot
+        engine = snapshot.engine if snapshot else None
+        source = snapshot.sources.get("engine") if snapshot else None
+        up = engine is not None and engine.up and source is not None and source.ok
+        yield GaugeMetricFamily(
+            "kvguard_engine_up", "Whether the engine answers and is healthy.", value=float(up)
+        )
+        if engine is None:
+            return
+        yield from _gauge(
+            "kvguard_kv_cache_usage_ratio", "KV cache in use, 0-1.", engine.kv_cache_usage_ratio
+        )
+        yield from _gauge(
+            "kvguard_kv_cache_capacity_tokens",
+            "Tokens the engine's KV cache holds.",
+            engine.kv_capacity_tokens,
+        )
+        yield from _gauge(
+            "kvguard_kv_cache_used_tokens", "Tokens in the KV cache now.", engine.kv_used_tokens
+        )
+        yield from _gauge(
+            "kvguard_requests_running", "Requests being processed.", engine.requests_running
+        )
+        yield from _gauge(
+            "kvguard_requests_waiting", "Requests queued in the engine.", engine.requests_waiting
+        )
+        if engine.preemptions_total is not None:
+            yield CounterMetricFamily(
+                "kvguard_engine_preemptions",
+                "The engine's preemption counter.",
+                value=engine.preemptions_total,
+            )
+
+    def _budget_metrics(self) -> Iterator[Metric]:
+        state = self.daemon.state
+        if state.budget is None:
+            return
+        b = state.budget.budget
+        lines = GaugeMetricFamily(
+            "kvguard_budget_bytes", "The VRAM budget per GPU, by component.", labels=["component"]
+        )
+        values = (
+            b.weights_bytes_per_gpu,
+            b.kv_pool_bytes_per_gpu,
+            b.activation_bytes_per_gpu,
+            b.overhead_bytes_per_gpu,
+            b.headroom_bytes_per_gpu,
+        )
+        for component, value in zip(BUDGET_COMPONENTS, values, strict=True):
+            lines.add_metric([component], value)
+        yield lines
+        yield from _gauge(
+            "kvguard_kv_bytes_per_token", "KV bytes per token, whole model.", b.kv_bytes_per_token
+        )
+        yield from _gauge(
+            "kvguard_budget_kv_capacity_tokens",
+            "KV capacity the budget predicts.",
+            b.kv_capacity_tokens,
+        )
+        rec = state.reconciliation
+        if rec is not None:
+            yield from _gauge(
+                "kvguard_engine_kv_capacity_tokens",
+                "KV capacity the engine reports.",
+                rec.reported_tokens,
+            )
+            yield from _gauge(
+                "kvguard_budget_kv_capacity_difference_tokens",
+                "Reported minus predicted KV capacity.",
+                rec.difference_tokens,
+            )
+
+
+def daemon_registry(daemon: Daemon) -> CollectorRegistry:
+    """A fresh registry holding the daemon's collector (one per server, one per test)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(daemon))
+    return registry
+
+
+def configure_logging(level: str = "info", fmt: str = "auto") -> None:
+    """Send structlog events to stderr: JSON lines, or a console renderer on a terminal."""
+    console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    renderer: structlog.types.Processor = (
+        structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )

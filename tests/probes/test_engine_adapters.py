@@ -1,0 +1,324 @@
+"""Engine adapters against exposition text captured from engines (tests/fixtures/engines/).
+
+Expected values are read by hand from the fixture files; README.md there says
+where each file came from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvguard.errors import ProbeError
+from kvguard.model.snapshot import ENGINE_KINDS, EngineStats, HistogramSummary
+from kvguard.probes.engines import ADAPTERS, EngineScrape, detect_kind, parse_exposition
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "engines"
+
+
+def fixture(name: str) -> str:
+    """The text of one fixture file."""
+    return (FIXTURES / name).read_text()
+
+
+def llamacpp_scrape(*, slots: bool = True, props: bool = True) -> EngineScrape:
+    """The llama.cpp capture: metrics plus, optionally, /slots and /props."""
+    return EngineScrape(
+        metrics_text=fixture("llamacpp_sim_busy_metrics.txt"),
+        slots=json.loads(fixture("llamacpp_sim_slots.json")) if slots else None,
+        props=json.loads(fixture("llamacpp_sim_props.json")) if props else None,
+    )
+
+
+def test_vllm_busy_capture_maps_every_field():
+    """vLLM: usage, capacity from cache_config_info, tokens in use net of the null block."""
+    stats = ADAPTERS["vllm"].parse(EngineScrape(fixture("vllm_sim_busy.txt")))
+    assert stats == EngineStats(
+        kind="vllm",
+        up=True,
+        kv_cache_usage_ratio=pytest.approx(0.9333333333333333),
+        kv_capacity_tokens=256 * 16,
+        kv_capacity_blocks=256,
+        block_size=16,
+        kv_used_tokens=3808,  # 0.9333 x 255 usable blocks x 16 = 238 blocks
+        cache_dtype="auto",
+        requests_running=11.0,
+        requests_waiting=1.0,
+        preemptions_total=1.0,
+        prompt_tokens_total=3835.0,
+        generation_tokens_total=507.0,
+        requests_finished_total=3.0,  # stop 0 + length 3 + abort 0
+        request_prompt_tokens=HistogramSummary(sum=235.0, count=3.0),
+        request_generation_tokens=HistogramSummary(sum=56.0, count=3.0),
+    )
+
+
+def test_vllm_old_usage_name_is_read_when_the_new_one_is_absent():
+    """Before ~0.12 vLLM called the ratio vllm:gpu_cache_usage_perc; it gives the same figures."""
+    text = fixture("vllm_old_gpu_cache_usage.txt")
+    assert "vllm:kv_cache_usage_perc" not in text
+    stats = ADAPTERS["vllm"].parse(EngineScrape(text))
+    assert stats.kv_cache_usage_ratio == pytest.approx(0.9333333333333333)
+    assert stats.kv_used_tokens == 3808
+
+
+def test_vllm_new_usage_name_wins_over_the_old_one():
+    """When both names are exported (a deprecation window), the current one is used."""
+    text = (
+        'vllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+        'vllm:gpu_cache_usage_perc{engine="0"} 0.25\n'
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="101"} 1.0\n'
+    )
+    stats = ADAPTERS["vllm"].parse(EngineScrape(text))
+    assert stats.kv_cache_usage_ratio == 0.5
+    assert stats.kv_used_tokens == 800  # 0.5 x 100 usable blocks x 16
+
+
+def test_vllm_data_parallel_adds_engines_and_takes_the_tightest_usage():
+    """Two engine label sets: counts and capacity add up, usage is the fuller engine's."""
+    stats = ADAPTERS["vllm"].parse(EngineScrape(fixture("vllm_sim_dp2.txt")))
+    assert stats.kv_cache_usage_ratio == pytest.approx(0.9333333333333333)  # engine 0 (1: 0.2118)
+    assert stats.kv_capacity_blocks == 512
+    assert stats.kv_capacity_tokens == 8192
+    assert stats.block_size == 16
+    assert stats.kv_used_tokens == 3808 + 864  # each engine's usage of its own 255 blocks
+    assert stats.requests_running == 11 + 3
+    assert stats.requests_waiting == 1 + 0
+    assert stats.preemptions_total == 1 + 0
+    assert stats.prompt_tokens_total == 3835 + 1104
+    assert stats.generation_tokens_total == 507 + 43
+    assert stats.requests_finished_total == 3 + 2
+    assert stats.request_prompt_tokens == HistogramSummary(sum=235 + 264, count=3 + 2)
+    assert stats.request_generation_tokens == HistogramSummary(sum=56 + 30, count=3 + 2)
+
+
+def test_vllm_cache_config_info_with_other_labels_or_none_values():
+    """A label set without block_size, or num_gpu_blocks="None", leaves capacity unknown."""
+    without_block_size = (
+        'vllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+        'vllm:cache_config_info{engine="0",num_gpu_blocks="101",cache_dtype="fp8"} 1.0\n'
+    )
+    stats = ADAPTERS["vllm"].parse(EngineScrape(without_block_size))
+    assert stats.kv_capacity_blocks == 101
+    assert stats.kv_capacity_tokens is None
+    assert stats.kv_used_tokens is None
+    assert stats.cache_dtype == "fp8"
+    not_profiled = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n'
+    stats = ADAPTERS["vllm"].parse(EngineScrape(not_profiled))
+    assert (stats.kv_capacity_blocks, stats.kv_capacity_tokens, stats.block_size) == (
+        None,
+        None,
+        16,
+    )
+
+
+def test_sglang_busy_capture_maps_every_field():
+    """SGLang: token pool and pages, retracted requests as preemptions."""
+    stats = ADAPTERS["sglang"].parse(EngineScrape(fixture("sglang_sim_busy.txt")))
+    assert stats == EngineStats(
+        kind="sglang",
+        up=True,
+        kv_cache_usage_ratio=pytest.approx(0.9333333333333333),
+        kv_capacity_tokens=4080,
+        kv_capacity_blocks=255,  # 4080 // page_size 16
+        block_size=16,
+        kv_used_tokens=3808,
+        requests_running=11.0,
+        requests_waiting=1.0,
+        preemptions_total=1.0,
+        prompt_tokens_total=3835.0,
+        generation_tokens_total=507.0,
+        requests_finished_total=15.0,
+    )
+
+
+def test_llamacpp_counts_kv_from_slots():
+    """llama.cpp: capacity is the slots' n_ctx, use is prompt + decoded of busy slots."""
+    stats = ADAPTERS["llamacpp"].parse(llamacpp_scrape())
+    assert stats == EngineStats(
+        kind="llamacpp",
+        up=True,
+        kv_cache_usage_ratio=pytest.approx(1229 / 4080),
+        kv_capacity_tokens=4 * 1020,
+        kv_used_tokens=4 * 300 + 8 + 7 + 7 + 7,
+        requests_running=4.0,
+        requests_waiting=2.0,
+        prompt_tokens_total=1435.0,
+        generation_tokens_total=85.0,
+    )
+
+
+def test_llamacpp_without_slots_leaves_use_unknown():
+    """No /slots: use and usage unknown; capacity from /props when that answered."""
+    stats = ADAPTERS["llamacpp"].parse(llamacpp_scrape(slots=False))
+    assert stats.kv_used_tokens is None
+    assert stats.kv_cache_usage_ratio is None
+    assert stats.kv_capacity_tokens == 4 * 1020  # total_slots x n_ctx from /props
+    assert stats.requests_running == 4.0
+    bare = ADAPTERS["llamacpp"].parse(llamacpp_scrape(slots=False, props=False))
+    assert (bare.kv_capacity_tokens, bare.kv_used_tokens) == (None, None)
+
+
+def test_llamacpp_tolerates_odd_slot_entries():
+    """Idle slots count capacity only; missing next_token counts as nothing decoded."""
+    slots = [
+        {"id": 0, "n_ctx": 512, "is_processing": True, "n_prompt_tokens": 100},
+        {"id": 1, "n_ctx": 512, "is_processing": False, "n_prompt_tokens": 400},
+        {"id": 2, "n_ctx": 512, "is_processing": True, "n_prompt_tokens": 10, "next_token": []},
+    ]
+    stats = ADAPTERS["llamacpp"].parse(EngineScrape("", slots=slots))
+    assert (stats.kv_capacity_tokens, stats.kv_used_tokens) == (1536, 110)
+    broken = [{"id": 0, "n_ctx": "lots"}]
+    stats = ADAPTERS["llamacpp"].parse(EngineScrape("", slots=broken))
+    assert (stats.kv_capacity_tokens, stats.kv_used_tokens) == (None, None)
+
+
+def test_tgi_written_fixture_maps_budget_queue_and_histograms():
+    """TGI: token budget as capacity, batch tokens as use, no preemption counter."""
+    stats = ADAPTERS["tgi"].parse(EngineScrape(fixture("tgi_written.txt")))
+    assert stats == EngineStats(
+        kind="tgi",
+        up=True,
+        kv_cache_usage_ratio=5120 / 16384,
+        kv_capacity_tokens=16384,
+        kv_used_tokens=5120,
+        requests_running=8.0,
+        requests_waiting=3.0,
+        preemptions_total=None,
+        requests_finished_total=146.0 + 3.0,  # success + failure; tgi_request_count is arrivals
+        request_prompt_tokens=HistogramSummary(sum=30870.0, count=149.0),
+        request_generation_tokens=HistogramSummary(sum=11098.0, count=146.0),
+    )
+
+
+def test_tgi_untyped_counter_falls_back_to_request_count():
+    """Without success/failure counters, or # TYPE lines, tgi_request_count is still read."""
+    stats = ADAPTERS["tgi"].parse(EngineScrape("tgi_request_count 7\ntgi_queue_size 1\n"))
+    assert stats.requests_finished_total == 7.0
+    assert stats.kv_cache_usage_ratio is None
+
+
+def test_trtllm_readme_sample_maps_block_and_request_families():
+    """TensorRT-LLM: blocks x tokens_per for tokens; usage from used/max, not Triton's fraction."""
+    stats = ADAPTERS["trtllm"].parse(EngineScrape(fixture("trtllm_triton_readme.txt")))
+    assert stats == EngineStats(
+        kind="trtllm",
+        up=True,
+        kv_cache_usage_ratio=1 / 6239,
+        kv_capacity_tokens=6239 * 64,
+        kv_capacity_blocks=6239,
+        block_size=64,
+        kv_used_tokens=64,
+        requests_running=0.0,
+        requests_waiting=1.0,
+    )
+
+
+def test_trtllm_sums_model_versions_and_falls_back_to_fraction():
+    """Two Triton model versions add up; without used/max, Triton's own fraction is the ratio."""
+    family = "nv_trt_llm_kv_cache_block_metrics"
+    text = (
+        f'{family}{{kv_cache_block_type="max",model="m",version="1"}} 100\n'
+        f'{family}{{kv_cache_block_type="max",model="m",version="2"}} 300\n'
+        f'{family}{{kv_cache_block_type="tokens_per",model="m",version="1"}} 32\n'
+        f'{family}{{kv_cache_block_type="tokens_per",model="m",version="2"}} 32\n'
+        'nv_trt_llm_request_metrics{model="m",request_type="active",version="1"} 2\n'
+        'nv_trt_llm_request_metrics{model="m",request_type="active",version="2"} 5\n'
+        f'{family}{{kv_cache_block_type="fraction",model="m",version="1"}} 0.25\n'
+    )
+    stats = ADAPTERS["trtllm"].parse(EngineScrape(text))
+    assert stats.kv_capacity_blocks == 400
+    assert stats.kv_capacity_tokens == 400 * 32
+    assert stats.kv_used_tokens is None
+    assert stats.kv_cache_usage_ratio == 0.25
+    assert stats.requests_running == 7.0
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("vllm_sim_busy.txt", "vllm"),
+        ("vllm_old_gpu_cache_usage.txt", "vllm"),
+        ("vllm_sim_dp2.txt", "vllm"),
+        ("sglang_sim_busy.txt", "sglang"),
+        ("llamacpp_sim_busy_metrics.txt", "llamacpp"),
+        ("tgi_written.txt", "tgi"),
+        ("trtllm_triton_readme.txt", "trtllm"),
+    ],
+)
+def test_detect_kind_names_the_engine_of_every_fixture(name, kind):
+    """Each fixture is recognised from its metric-name prefix alone."""
+    assert detect_kind(fixture(name)) == kind
+
+
+def test_detect_kind_of_unrelated_metrics_is_none():
+    """Exposition from something else (a node exporter, an empty body) is no engine."""
+    assert detect_kind("node_memory_MemFree_bytes 1.0e9\nprocess_open_fds 12\n") is None
+    assert detect_kind("") is None
+
+
+@pytest.mark.parametrize("kind", ENGINE_KINDS)
+def test_missing_series_become_none_not_errors(kind):
+    """An exposition without any of the engine's series gives an all-unknown EngineStats."""
+    stats = ADAPTERS[kind].parse(EngineScrape("unrelated_metric 1\n", healthy=False))
+    assert stats == EngineStats(kind=kind, up=False)
+
+
+def test_a_single_vllm_series_fills_only_its_field():
+    """One series known, everything else unknown (not zero)."""
+    stats = ADAPTERS["vllm"].parse(EngineScrape("vllm:num_requests_running 3\n"))
+    assert stats == EngineStats(kind="vllm", up=True, requests_running=3.0)
+
+
+def test_nan_values_are_unknown():
+    """Engines report NaN before the first observation; that is unknown, not a number."""
+    stats = ADAPTERS["sglang"].parse(EngineScrape("sglang:token_usage NaN\n"))
+    assert stats.kv_cache_usage_ratio is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<html><body><h1>502 Bad Gateway</h1></body></html>\n",
+        '{"detail": "Not Found"}',
+        'vllm:num_requests_running{engine="0" 3\n',
+        "vllm:num_requests_running three\n",
+    ],
+)
+@pytest.mark.parametrize("kind", ENGINE_KINDS)
+def test_malformed_text_raises_probe_error(kind, text):
+    """Text that is not exposition raises ProbeError('engine', 'malformed metrics: ...')."""
+    with pytest.raises(ProbeError, match="malformed metrics") as caught:
+        ADAPTERS[kind].parse(EngineScrape(text))
+    assert caught.value.probe == "engine"
+
+
+def test_parse_exposition_keeps_labels_per_sample():
+    """The lookup holds every (labels, value) of a name; absent names give nothing."""
+    samples = parse_exposition(fixture("vllm_sim_dp2.txt"))
+    running = samples.series("vllm:num_requests_running")
+    assert sorted((labels["engine"], value) for labels, value in running) == [
+        ("0", 11.0),
+        ("1", 3.0),
+    ]
+    assert samples.series("vllm:no_such_series") == []
+    assert samples.total("vllm:no_such_series") is None
+
+
+@pytest.mark.parametrize("kind", ENGINE_KINDS)
+def test_adapters_declare_their_surface(kind):
+    """Each adapter names its kind, admin actions, extra endpoints and health path."""
+    adapter = ADAPTERS[kind]
+    assert adapter.kind == kind
+    expected_actions = {
+        "vllm": {"evict", "pause", "abort"},
+        "sglang": {"evict", "pause", "abort"},
+        "llamacpp": {"evict"},
+        "tgi": set(),
+        "trtllm": set(),
+    }[kind]
+    assert adapter.actions == expected_actions
+    assert adapter.extra_paths == (("/slots", "/props") if kind == "llamacpp" else ())
+    assert adapter.health_path == ("/v2/health/ready" if kind == "trtllm" else "/health")

@@ -1,0 +1,166 @@
+"""The TOML config: defaults, every problem at once, secrets kept out of sight."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvguard.config import CONFIG_ENV, TOKEN_ENV, Secret, load_config, parse_config
+from kvguard.errors import ConfigError
+
+KVGUARD = str(Path(sys.executable).parent / "kvguard")
+EXAMPLE = Path(__file__).parents[1] / "systemd" / "kvguard.toml"
+
+
+def test_only_the_engine_url_is_required():
+    """A one-line config gets every documented default."""
+    config = parse_config({"engine": {"url": "http://127.0.0.1:8000/"}}, env={})
+    assert config.engine.url == "http://127.0.0.1:8000"
+    assert config.engine.kind == "auto"
+    assert config.poll.interval_s == 0.5
+    assert config.server.listen == "127.0.0.1:9108"
+    assert (config.server.host, config.server.port) == ("127.0.0.1", 9108)
+    assert config.model.config is None
+
+
+def test_every_problem_is_reported_at_once():
+    """Unknown keys, bad values and a missing url come back together, each named."""
+    data = {
+        "engine": {"kind": "vlm", "metrics_path": "metrics"},
+        "model": {"tp": 0, "kv_cache_dtype": "fp6", "max_num_seq": 8},
+        "poll": {"interval_s": -1},
+        "server": {"listen": "9108"},
+        "gpus": {},
+    }
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, source="k.toml", env={})
+    fields = [field for field, _, _ in info.value.problems]
+    assert fields == [
+        "engine.kind",
+        "engine.metrics_path",
+        "model.tp",
+        "model.kv_cache_dtype",
+        "model.max_num_seq",
+        "poll.interval_s",
+        "server.listen",
+        "gpus",
+        "engine.url",
+    ]
+    lines = info.value.lines()
+    assert "model.max_num_seq: unknown key (known in [model]: config, tp," in lines[4]
+    assert lines[0].startswith(
+        "engine.kind: must be one of auto, vllm, sglang, tgi, llamacpp, trtllm"
+    )
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "field"),
+    [
+        ("engine", {"url": "ftp://x"}, "engine.url"),
+        ("engine", {"url": "http://127.0.0.1:8000", "pid": 1, "process_name": "x"}, "engine.pid"),
+        ("gpu", {"indices": [0], "uuids": ["GPU-1"]}, "gpu.indices"),
+        ("gpu", {"memory": "-3GiB"}, "gpu.memory"),
+        ("gpu", {"indices": [0, "one"]}, "gpu.indices[1]"),
+        ("poll", {"interval_s": 0.2, "min_interval_s": 0.5}, "poll.min_interval_s"),
+        ("model", {"gpu_memory_utilization": 1.5}, "model.gpu_memory_utilization"),
+        ("log", {"level": "loud"}, "log.level"),
+    ],
+)
+def test_bad_values_name_their_field(section, values, field):
+    """Each invalid value is reported under its dotted field name."""
+    data = {"engine": {"url": "http://127.0.0.1:8000"}} | {section: values}
+    if section == "engine":
+        data = {"engine": values}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, env={})
+    assert field in [f for f, _, _ in info.value.problems]
+
+
+def test_token_from_file_relative_to_the_config(tmp_path):
+    """token_file is read relative to the config file and held as a Secret."""
+    (tmp_path / "token").write_text("s3cret\n")
+    path = tmp_path / "kvguard.toml"
+    path.write_text('[engine]\nurl = "http://127.0.0.1:8000"\ntoken_file = "token"\n')
+    config = load_config(str(path), env={})
+    assert config.engine.token == Secret("s3cret")
+    assert "s3cret" not in repr(config)
+    assert config.redacted()["engine"]["token"] == "***"
+    assert "s3cret" not in str(config.redacted())
+
+
+def test_token_from_environment_and_missing_file(tmp_path):
+    """Without token_file the environment provides it; an unreadable file is a problem."""
+    config = parse_config({"engine": {"url": "http://h:1"}}, env={TOKEN_ENV: "from-env"})
+    assert config.engine.token is not None
+    assert config.engine.token.reveal() == "from-env"
+    with pytest.raises(ConfigError, match=r"engine\.token_file: must be a readable file"):
+        parse_config(
+            {"engine": {"url": "http://h:1", "token_file": str(tmp_path / "nope")}}, env={}
+        )
+
+
+def test_config_path_from_environment(tmp_path):
+    """$KVGUARD_CONFIG names the file when --config is not given."""
+    path = tmp_path / "k.toml"
+    path.write_text('[engine]\nurl = "http://127.0.0.1:8000"\n')
+    assert load_config(None, env={CONFIG_ENV: str(path)}).source == str(path)
+    with pytest.raises(ConfigError, match="KVGUARD_CONFIG"):
+        load_config(None, env={})
+
+
+def test_invalid_toml_is_one_problem(tmp_path):
+    """A file that is not TOML says so, with the parser's position."""
+    path = tmp_path / "k.toml"
+    path.write_text("[engine\nurl = 1\n")
+    with pytest.raises(ConfigError, match="must be valid TOML"):
+        load_config(str(path), env={})
+
+
+def test_the_shipped_example_is_valid_and_documents_every_key():
+    """systemd/kvguard.toml parses, and names every key of the schema."""
+    from kvguard.config import _SCHEMA  # noqa: PLC0415 - the schema is private on purpose
+
+    load_config(str(EXAMPLE), env={})
+    text = EXAMPLE.read_text()
+    for section, keys in _SCHEMA.items():
+        assert f"[{section}]" in text
+        for key in keys:
+            assert re.search(rf"^#? ?{key} = ", text, re.MULTILINE), f"{section}.{key}"
+
+
+def test_check_config_cli_lists_every_problem(tmp_path):
+    """`kvguard check-config` prints one line per problem and exits 2; OK prints the config."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[engine]\nkind = "vlm"\n[poll]\ninterval_s = "fast"\n')
+    result = subprocess.run(
+        [KVGUARD, "check-config", str(bad)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 3
+    assert all(line.startswith(f"kvguard check-config: error: {bad}: ") for line in lines)
+    assert "Traceback" not in result.stderr
+    ok = subprocess.run(
+        [KVGUARD, "check-config", str(EXAMPLE)], capture_output=True, text=True, check=True
+    )
+    assert ok.stdout.startswith(f"{EXAMPLE}: OK")
+
+
+def test_check_config_validates_the_model_budget(tmp_path):
+    """A model config that cannot be budgeted is a check-config problem too."""
+    path = tmp_path / "k.toml"
+    path.write_text(
+        '[engine]\nurl = "http://127.0.0.1:8000"\n[model]\nconfig = "llama-3.1-8b"\ntp = 3\n'
+    )
+    result = subprocess.run(
+        [KVGUARD, "check-config", str(path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2
+    assert (
+        "model.config: must give a usable budget (tp: must divide num_attention_heads (32)"
+        in result.stderr
+    )

@@ -1,0 +1,191 @@
+"""The loop: one snapshot per tick, staleness and errors, budget and reconciliation."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from structlog.testing import capture_logs
+
+from kvguard.config import parse_config
+from kvguard.daemon import Daemon, Probes
+from kvguard.errors import ProbeError
+from kvguard.model.snapshot import EngineStats, GpuMemory, HostStats
+from kvguard.model.units import GiB
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class ScriptedProbe:
+    """A probe that returns its current value, raises its current error, or hangs."""
+
+    name: str
+    value: object = None
+    error: str | None = None
+    hang: bool = False
+    closed: bool = False
+    calls: int = 0
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def sample(self) -> object:
+        self.calls += 1
+        if self.hang:
+            await self.release.wait()
+        if self.error is not None:
+            raise ProbeError(self.name, self.error)
+        return self.value
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def engine_stats(**fields: object) -> EngineStats:
+    """A vLLM engine reading with sensible defaults."""
+    base = {"kind": "vllm", "up": True, "kv_cache_usage_ratio": 0.5, "requests_running": 3.0}
+    return EngineStats(**(base | fields))  # type: ignore[arg-type]
+
+
+GPU = GpuMemory(0, "GPU-0", "Fake H100", 80 * GiB, 60 * GiB, 20 * GiB, 1 * GiB)
+
+
+def make(config: dict | None = None, **probe_values: object) -> tuple[Daemon, Probes, Clock]:
+    """A daemon over scripted probes and a hand-moved clock."""
+    data = {"engine": {"url": "http://127.0.0.1:1"}, "poll": {"timeout_s": 0.2}} | (config or {})
+    probes = Probes(
+        engine=ScriptedProbe("engine", probe_values.get("engine", engine_stats())),  # type: ignore[arg-type]
+        nvml=ScriptedProbe("nvml", probe_values.get("nvml", (GPU,))),  # type: ignore[arg-type]
+        host=ScriptedProbe("host", probe_values.get("host", HostStats(64 * GiB, 32 * GiB))),  # type: ignore[arg-type]
+    )
+    clock = Clock()
+    return Daemon(parse_config(data, env={}), probes=probes, clock=clock), probes, clock
+
+
+async def test_a_tick_bundles_every_probe_into_one_snapshot():
+    """Engine, GPUs and host land in one snapshot, every source fresh."""
+    daemon, _, clock = make()
+    snapshot = await daemon.tick()
+    assert snapshot.taken_at == clock.now
+    assert snapshot.engine == engine_stats()
+    assert snapshot.gpus == (GPU,)
+    assert snapshot.host == HostStats(64 * GiB, 32 * GiB)
+    assert all(r.ok and r.age_s == 0 for r in snapshot.sources.values())
+    assert daemon.state.ticks_total == 1
+
+
+async def test_a_failing_probe_goes_stale_and_counts_errors():
+    """A probe that fails keeps its last value, ages, counts errors, and is logged once."""
+    daemon, probes, clock = make()
+    await daemon.tick()
+    probes.nvml.error = "GPU is lost"  # type: ignore[union-attr]
+    with capture_logs() as logs:
+        for _ in range(3):
+            clock.now += 0.5
+            snapshot = await daemon.tick()
+    reading = snapshot.sources["nvml"]
+    assert (reading.ok, reading.error, reading.age_s) == (False, "nvml: GPU is lost", 1.5)
+    assert snapshot.gpus == (GPU,)  # the last good value, marked stale by its source
+    assert daemon.state.trackers["nvml"].errors_total == 3
+    assert [e["event"] for e in logs] == ["probe_failed"]
+    probes.nvml.error = None  # type: ignore[union-attr]
+    with capture_logs() as logs:
+        snapshot = await daemon.tick()
+    assert snapshot.sources["nvml"].ok
+    assert [e["event"] for e in logs] == ["probe_recovered"]
+
+
+async def test_an_unreachable_engine_is_down_but_its_last_figures_remain():
+    """While the engine probe fails, the engine is reported down."""
+    daemon, probes, _ = make()
+    await daemon.tick()
+    probes.engine.error = "connection refused"  # type: ignore[union-attr]
+    snapshot = await daemon.tick()
+    assert snapshot.engine is not None
+    assert snapshot.engine.up is False
+    assert snapshot.engine.kv_cache_usage_ratio == 0.5
+
+
+async def test_a_hung_probe_does_not_stall_the_tick():
+    """A probe that never answers times out; the tick completes with the others fresh."""
+    daemon, probes, _ = make()
+    probes.host.hang = True  # type: ignore[union-attr]
+    snapshot = await asyncio.wait_for(daemon.tick(), 2.0)
+    assert snapshot.sources["host"].ok is False
+    assert snapshot.sources["host"].error == "timed out after 0.2 s"
+    assert snapshot.sources["engine"].ok
+    probes.host.release.set()  # type: ignore[union-attr]
+
+
+async def test_budget_uses_nvml_total_and_reconciles_with_the_engine():
+    """Without [gpu] memory the budget is computed on NVML's total and compared with the engine."""
+    config = {"model": {"config": "llama-3.1-8b", "max_model_len": 8192}}
+    daemon, probes, _ = make(config)
+    assert daemon.state.budget is not None
+    assert daemon.state.budget.budget.gpu_memory_bytes == 80 * GiB  # the default until NVML answers
+    predicted = None
+    probes.nvml.value = (GpuMemory(0, "GPU-0", "L4", 24 * GiB, 1 * GiB, 23 * GiB, 0),)  # type: ignore[union-attr]
+    probes.engine.value = engine_stats(kv_capacity_tokens=100_000)  # type: ignore[union-attr]
+    with capture_logs() as logs:
+        await daemon.tick()
+        await daemon.tick()
+    budget = daemon.state.budget.budget
+    assert budget.gpu_memory_bytes == 24 * GiB
+    predicted = budget.kv_capacity_tokens
+    rec = daemon.state.reconciliation
+    assert rec is not None
+    assert (rec.predicted_tokens, rec.reported_tokens) == (predicted, 100_000)
+    assert rec.difference_tokens == 100_000 - predicted
+    mismatches = [e for e in logs if e["event"] == "budget_reconciliation_mismatch"]
+    assert len(mismatches) == 1  # once per reported value, not every tick
+
+
+async def test_configured_gpu_memory_wins_over_nvml():
+    """[gpu] memory fixes the budget's GPU size."""
+    daemon, _, _ = make({"model": {"config": "llama-3.1-8b"}, "gpu": {"memory": "40GiB"}})
+    await daemon.tick()
+    assert daemon.state.budget is not None
+    assert daemon.state.budget.budget.gpu_memory_bytes == 40 * GiB
+
+
+@pytest.mark.parametrize(
+    ("usage", "free", "expected"),
+    [(0.5, 20 * GiB, 0.5), (0.95, 20 * GiB, 0.1), (0.5, 2 * GiB, 0.1)],
+)
+async def test_polls_faster_when_headroom_is_small(usage, free, expected):
+    """KV usage >= 90% or GPU free <= 5% switches to the minimum interval."""
+    gpu = GpuMemory(0, "GPU-0", "x", 80 * GiB, 80 * GiB - free, free, 0)
+    daemon, _, _ = make(engine=engine_stats(kv_cache_usage_ratio=usage), nvml=(gpu,))
+    await daemon.tick()
+    assert daemon.next_interval() == expected
+
+
+async def test_run_ticks_until_stopped_and_finishes_the_tick():
+    """run() ticks, calls after_tick each time, and returns once stop is set."""
+    daemon, _, _ = make({"poll": {"interval_s": 0.01, "min_interval_s": 0.01, "timeout_s": 0.2}})
+    stop = asyncio.Event()
+    seen = []
+
+    def after_tick(snapshot):
+        seen.append(snapshot)
+        if len(seen) == 3:
+            stop.set()
+
+    await asyncio.wait_for(daemon.run(stop, after_tick=after_tick), 5)
+    assert len(seen) == 3
+    assert daemon.state.ticks_total == 3
+
+
+async def test_close_closes_every_probe():
+    """close() releases every probe even if one fails to close."""
+    daemon, probes, _ = make()
+    await daemon.close()
+    assert all(p.closed for p in probes.all().values())  # type: ignore[attr-defined]
