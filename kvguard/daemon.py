@@ -83,7 +83,8 @@ class ProbeTracker(Generic[T]):
     def reading(self, now: float) -> SourceReading:
         """The source's state for the snapshot."""
         age = None if self.read_at is None else now - self.read_at
-        return SourceReading(self.ok, age, self.error)
+        available = getattr(self.probe, "available", True) is not False
+        return SourceReading(self.ok, age, self.error, available)
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,12 @@ class Daemon:
         except (asyncio.TimeoutError, TimeoutError):
             self._failed(name, tracker, f"timed out after {self.config.poll.timeout_s:g} s")
         except ProbeError as exc:
-            self._failed(name, tracker, str(exc))
+            if getattr(tracker.probe, "available", True) is False:
+                # A source that is not there (no NVIDIA driver) is not failing: the
+                # probe said so once; counting it every tick would only page people.
+                tracker.ok, tracker.error = False, str(exc)
+            else:
+                self._failed(name, tracker, str(exc))
         else:
             if not tracker.ok and tracker.ever_failed:
                 log.info("probe_recovered", probe=name)

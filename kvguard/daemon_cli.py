@@ -198,10 +198,16 @@ def render_probe(doc: dict[str, Any]) -> str:
     if host:
         available, total = host["memory_available_bytes"], host["memory_total_bytes"]
         lines.append(f"Host     available {format_bytes(available)} of {format_bytes(total)}")
-    for name, source in doc["sources"].items():
-        state = "ok" if source["ok"] else f"FAILED: {source['error']}"
-        lines.append(f"Source   {name:<7} {state}")
+    lines += [f"Source   {name:<7} {_source_state(s)}" for name, s in doc["sources"].items()]
     return "\n".join(lines)
+
+
+def _source_state(source: dict[str, Any]) -> str:
+    if source["ok"]:
+        return "ok"
+    if not source.get("available", True):
+        return f"unavailable ({source['error']})"
+    return f"FAILED: {source['error']}"
 
 
 def _gpu_line(gpu: dict[str, Any]) -> str:
@@ -293,7 +299,7 @@ def render_status(doc: dict[str, Any]) -> str:
         )
     for name, source in (doc.get("sources") or {}).items():
         age = source.get("age_s")
-        state = "ok" if source["ok"] else f"FAILED: {source['error']}"
+        state = _source_state(source)
         lines.append(f"Source   {name:<7} {state}{'' if age is None else f'  ({age:.1f} s old)'}")
     return "\n".join(lines)
 

@@ -33,6 +33,7 @@ class ScriptedProbe:
     value: object = None
     error: str | None = None
     hang: bool = False
+    available: bool = True
     closed: bool = False
     calls: int = 0
     release: asyncio.Event = field(default_factory=asyncio.Event)
@@ -189,3 +190,17 @@ async def test_close_closes_every_probe():
     daemon, probes, _ = make()
     await daemon.close()
     assert all(p.closed for p in probes.all().values())  # type: ignore[attr-defined]
+
+
+async def test_an_unavailable_source_is_down_but_not_an_error():
+    """A probe that reports itself unavailable (no driver) is down, without error counts or logs."""
+    daemon, probes, _ = make()
+    probes.nvml.error = "unavailable: NVML Shared Library Not Found"  # type: ignore[union-attr]
+    probes.nvml.available = False  # type: ignore[union-attr]
+    with capture_logs() as logs:
+        for _ in range(3):
+            snapshot = await daemon.tick()
+    assert snapshot.sources["nvml"].ok is False
+    assert snapshot.sources["nvml"].available is False
+    assert daemon.state.trackers["nvml"].errors_total == 0
+    assert logs == []

@@ -100,12 +100,14 @@ class SourceReading:
     """One probe's latest result and how old it is.
 
     ``ok`` is false when the last attempt failed (``error`` says why); the value is
-    then the last good one, if any, and ``age_s`` grows: that is staleness.
+    then the last good one, if any, and ``age_s`` grows: that is staleness. A source
+    that is not there at all (``available`` false) is not failing, only absent.
     """
 
     ok: bool
     age_s: float | None  # seconds since the value was read; None: never read
     error: str | None = None
+    available: bool = True  # False: the source is not there at all (no NVIDIA driver)
 
 
 @dataclass(frozen=True)

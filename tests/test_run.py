@@ -1,0 +1,373 @@
+"""The daemon against a real simulated engine: exporter, HTTP API, CLI, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvguard.config import parse_config
+from kvguard.daemon import Daemon, Probes
+from kvguard.model.units import GiB
+from kvguard.probes.engine import EngineProbe
+from kvguard.probes.host import HostProbe
+from kvguard.probes.nvml import GpuSelector, NvmlProbe
+from kvguard.server import build_app
+from kvguard.testing import FakeGpu, FakeNvml
+
+KVGUARD = str(Path(sys.executable).parent / "kvguard")
+
+METRICS = (
+    "kvguard_gpu_memory_total_bytes",
+    "kvguard_gpu_memory_used_bytes",
+    "kvguard_gpu_memory_reserved_bytes",
+    "kvguard_gpu_process_memory_bytes",
+    "kvguard_host_memory_available_bytes",
+    "kvguard_engine_process_resident_bytes",
+    "kvguard_kv_cache_usage_ratio",
+    "kvguard_kv_cache_capacity_tokens",
+    "kvguard_kv_cache_used_tokens",
+    "kvguard_kv_bytes_per_token",
+    "kvguard_requests_running",
+    "kvguard_requests_waiting",
+    "kvguard_engine_preemptions_total",
+    "kvguard_budget_bytes",
+    "kvguard_budget_kv_capacity_tokens",
+    "kvguard_engine_kv_capacity_tokens",
+    "kvguard_engine_up",
+    "kvguard_probe_up",
+    "kvguard_probe_duration_seconds",
+    "kvguard_probe_errors_total",
+    "kvguard_tick_duration_seconds",
+    "kvguard_build_info",
+)
+
+
+async def until(check, timeout: float = 10.0) -> None:
+    """Poll ``check()`` every 10 ms until true; fail after ``timeout`` seconds."""
+    for _ in range(int(timeout / 0.01)):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+def free_port() -> int:
+    """A port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def samples(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """Exposition text parsed with prometheus_client: {name: {labels: value}}."""
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def one(values: dict, name: str, **labels: str) -> float:
+    """The single value of ``name`` with ``labels``."""
+    return values[name][tuple(sorted(labels.items()))]
+
+
+async def get(url: str) -> tuple[int, str]:
+    """GET ``url``: status and body."""
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
+        return resp.status, await resp.text()
+
+
+async def start_api(daemon: Daemon) -> tuple[web.AppRunner, str]:
+    """Serve the daemon's API on a free loopback port."""
+    runner = web.AppRunner(build_app(daemon))
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def watched(sim_server):
+    """A sim engine sized by the budget, and a daemon watching it with a fake 24 GiB GPU."""
+    server = await sim_server(model="llama-3.1-8b", gpu_memory_bytes=24 * GiB, per_token_s=0.0005)
+    config = parse_config(
+        {
+            "engine": {"url": server.url},
+            "model": {
+                "config": "llama-3.1-8b",
+                "max_model_len": 4096,
+                "max_num_seqs": 64,
+                "max_num_batched_tokens": 2048,
+            },
+            "poll": {"timeout_s": 1.0},
+        },
+        env={},
+    )
+    nvml = FakeNvml(
+        [
+            FakeGpu(
+                "NVIDIA L4 (fake)",
+                "GPU-fake-0",
+                24 * GiB,
+                20 * GiB,
+                300 * 2**20,
+                {os.getpid(): 19 * GiB},
+            )
+        ]
+    )
+    probes = Probes(
+        engine=EngineProbe(server.url, timeout_s=1.0),
+        nvml=NvmlProbe(GpuSelector(), nvml=nvml, timeout_s=1.0),
+        host=HostProbe(pid=os.getpid()),
+    )
+    daemon = Daemon(config, probes=probes)
+    runner, url = await start_api(daemon)
+    yield server, daemon, url
+    await runner.cleanup()
+    await daemon.close()
+
+
+async def test_every_metric_tracks_the_engine_under_load(watched):
+    """With requests frozen mid-flight, each kvguard_* figure equals the sim's own state."""
+    server, daemon, url = watched
+    body = {"prompt": "word " * 500, "max_tokens": 2000}
+    async with aiohttp.ClientSession() as http:
+        inflight = [
+            asyncio.ensure_future(http.post(f"{server.url}/v1/completions", json=body))
+            for _ in range(5)
+        ]
+        await until(
+            lambda: (
+                len(server.engine.scheduler.running) == 5
+                and server.engine.stats.generation_tokens_total >= 20
+            )
+        )
+        server.engine.pause("keep")  # freeze: the truth stops moving while we compare
+        await daemon.tick()
+        status, text = await get(f"{url}/metrics")
+        sched = server.engine.scheduler
+        usage, used_blocks = sched.usage, sched.used_blocks
+        server.engine.pause("abort")
+        for task in inflight:
+            (await task).close()
+    assert status == 200
+    values = samples(text)
+    for name in METRICS:
+        assert name in values, name
+    config = server.engine.config
+    assert usage > 0
+    assert one(values, "kvguard_kv_cache_usage_ratio") == pytest.approx(usage)
+    assert one(values, "kvguard_kv_cache_used_tokens") == used_blocks * config.block_size
+    assert (
+        one(values, "kvguard_kv_cache_capacity_tokens") == config.num_gpu_blocks * config.block_size
+    )
+    assert one(values, "kvguard_requests_running") == 5
+    assert one(values, "kvguard_requests_waiting") == 0
+    assert one(values, "kvguard_engine_up") == 1
+    budget = daemon.state.budget.budget
+    assert one(values, "kvguard_budget_kv_capacity_tokens") == budget.kv_capacity_tokens
+    assert one(values, "kvguard_engine_kv_capacity_tokens") == budget.kv_capacity_tokens
+    assert one(values, "kvguard_budget_bytes", component="weights") == budget.weights_bytes_per_gpu
+    assert one(values, "kvguard_kv_bytes_per_token") == 131_072
+    assert one(values, "kvguard_gpu_memory_total_bytes", gpu="0") == 24 * GiB
+    assert one(values, "kvguard_gpu_memory_used_bytes", gpu="0") == 20 * GiB
+    assert one(values, "kvguard_gpu_memory_reserved_bytes", gpu="0") == 300 * 2**20
+    assert (
+        one(values, "kvguard_gpu_process_memory_bytes", gpu="0", pid=str(os.getpid())) == 19 * GiB
+    )
+    assert one(values, "kvguard_engine_process_resident_bytes") > 0
+    assert one(values, "kvguard_probe_up", probe="nvml") == 1
+    assert one(values, "kvguard_build_info", version=daemon.version) == 1
+
+
+async def test_api_endpoints_tell_the_truth(watched):
+    """/healthz and /readyz answer 200 after a tick; /status carries budget and reconciliation."""
+    _, daemon, url = watched
+    assert (await get(f"{url}/healthz"))[0] == 503  # no tick yet
+    await daemon.tick()
+    assert (await get(f"{url}/healthz"))[0] == 200
+    assert (await get(f"{url}/readyz"))[0] == 200
+    status, text = await get(f"{url}/status")
+    doc = json.loads(text)
+    assert status == 200
+    assert doc["engine"]["kind"] == "vllm"
+    assert doc["engine"]["actions"] == ["abort", "evict", "pause"]
+    assert doc["reconciliation"]["difference_tokens"] == 0
+    assert doc["budget"]["kv_bytes_per_token"] == 131_072
+    assert doc["sources"]["engine"]["ok"] is True
+    assert doc["config"]["engine"]["token"] is None
+
+
+async def test_a_dead_engine_keeps_the_loop_ticking(watched):
+    """When the engine goes away: engine_up 0, /readyz 503, errors counted, ticks go on."""
+    server, daemon, url = watched
+    await daemon.tick()
+    await server.stop()
+    for _ in range(3):
+        await daemon.tick()
+    values = samples((await get(f"{url}/metrics"))[1])
+    assert one(values, "kvguard_engine_up") == 0
+    assert one(values, "kvguard_probe_up", probe="engine") == 0
+    assert one(values, "kvguard_probe_errors_total", probe="engine") == 3
+    assert one(values, "kvguard_ticks_total") == 4
+    status, text = await get(f"{url}/readyz")
+    assert status == 503
+    assert "engine unreachable" in text
+    assert (await get(f"{url}/healthz"))[0] == 200
+
+
+async def test_probe_command_prints_the_normalized_engine(sim_engine):
+    """`kvguard probe --json` reports the engine's normalized figures, null where unknown."""
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "probe", "--engine-url", url, "--json", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0
+    engine = json.loads(out)["engine"]
+    assert engine["kind"] == "vllm"
+    assert engine["up"] is True
+    assert (engine["kv_capacity_blocks"], engine["block_size"]) == (256, 16)
+    for key in (
+        "kv_cache_usage_ratio",
+        "requests_running",
+        "requests_waiting",
+        "preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+    ):
+        assert engine[key] == 0, key
+
+
+async def test_probe_command_exits_1_when_the_engine_is_unreachable():
+    """An unreachable engine is reported, with exit code 1."""
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD,
+        "probe",
+        "--engine-url",
+        f"http://127.0.0.1:{free_port()}",
+        "--json",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await proc.communicate()
+    doc = json.loads(out)
+    assert proc.returncode == 1
+    assert doc["engine"]["up"] is False
+    assert doc["engine"]["kv_cache_usage_ratio"] is None
+    assert doc["sources"]["engine"]["ok"] is False
+
+
+async def test_run_reloads_on_sighup_keeps_old_on_bad_config_and_stops_on_sigterm(
+    sim_engine, tmp_path
+):
+    """The real command: serves, rejects a bad reload, adopts a good one, exits 0 on SIGTERM."""
+    engine_url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    port = free_port()
+    path = tmp_path / "kvguard.toml"
+    path.write_text(
+        f'[engine]\nurl = "{engine_url}"\n[server]\nlisten = "127.0.0.1:{port}"\n'
+        '[poll]\ninterval_s = 0.2\n[log]\nformat = "json"\n'
+    )
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "run", "--config", str(path), stderr=asyncio.subprocess.PIPE
+    )
+    api = f"http://127.0.0.1:{port}"
+    try:
+        events = await read_events(proc, until="started")
+        assert (await get(f"{api}/readyz"))[0] == 200
+
+        path.write_text('[engine]\nurl = "not a url"\n')
+        proc.send_signal(signal.SIGHUP)
+        rejected = (await read_events(proc, until="config_reload_rejected"))[-1]
+        assert rejected["problems"] == [
+            "engine.url: must be an http(s) URL with a host, e.g."
+            " http://127.0.0.1:8000, got 'not a url'"
+        ]
+        doc = json.loads((await get(f"{api}/status"))[1])
+        assert doc["config"]["engine"]["url"] == engine_url
+        assert doc["config"]["poll"]["interval_s"] == 0.2
+
+        path.write_text(
+            f'[engine]\nurl = "{engine_url}"\n[server]\nlisten = "127.0.0.1:{port}"\n'
+            "[poll]\ninterval_s = 0.3\n"
+        )
+        proc.send_signal(signal.SIGHUP)
+        await read_events(proc, until="config_reloaded")
+        doc = json.loads((await get(f"{api}/status"))[1])
+        assert doc["config"]["poll"]["interval_s"] == 0.3
+
+        status_out = await asyncio.create_subprocess_exec(
+            KVGUARD, "status", "--url", api, stdout=asyncio.subprocess.PIPE
+        )
+        text = (await status_out.communicate())[0].decode()
+        assert f"Engine   {engine_url}  kind vllm  up True" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 10)
+    assert code == 0
+    assert events[0]["event"] in ("nvml_unavailable", "started", "probe_failed")
+
+
+async def read_events(
+    proc: asyncio.subprocess.Process, until: str, timeout: float = 15
+) -> list[dict]:
+    """JSON log events from the process's stderr, up to the first ``until`` event."""
+    assert proc.stderr is not None
+    events = []
+    async with asyncio.timeout(timeout):
+        while True:
+            line = await proc.stderr.readline()
+            assert line, f"process exited before {until!r}: {events}"
+            event = json.loads(line)
+            events.append(event)
+            if event["event"] == until:
+                return events
+
+
+async def test_status_watch_redraws_until_interrupted(watched):
+    """`kvguard status --watch` redraws the view in place and exits 0 on Ctrl-C."""
+    _, daemon, url = watched
+    await daemon.tick()
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD,
+        "status",
+        "--url",
+        url,
+        "--watch",
+        "--interval",
+        "0.05",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    seen = b""
+    async with asyncio.timeout(15):
+        while seen.count(b"\x1b[H\x1b[2J") < 2:
+            seen += await proc.stdout.read(4096)
+    proc.send_signal(signal.SIGINT)
+    assert await asyncio.wait_for(proc.wait(), 10) == 0
+    assert b"kind vllm  up True" in seen
+
+
+async def test_status_says_when_kvguard_is_not_there():
+    """An unreachable kvguard is one error line and exit 2."""
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD,
+        "status",
+        "--url",
+        f"http://127.0.0.1:{free_port()}",
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await proc.communicate()
+    assert proc.returncode == 2
+    assert err.decode().startswith("kvguard status: error: cannot read http://127.0.0.1:")
