@@ -274,9 +274,11 @@ async def test_run_reloads_on_sighup_keeps_old_on_bad_config_and_stops_on_sigter
     """The real command: serves, rejects a bad reload, adopts a good one, exits 0 on SIGTERM."""
     engine_url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
     port = free_port()
+    (tmp_path / "token").write_text("tok-3f9a-secret")
     path = tmp_path / "kvguard.toml"
     path.write_text(
-        f'[engine]\nurl = "{engine_url}"\n[server]\nlisten = "127.0.0.1:{port}"\n'
+        f'[engine]\nurl = "{engine_url}"\ntoken_file = "token"\n'
+        f'[server]\nlisten = "127.0.0.1:{port}"\n'
         '[poll]\ninterval_s = 0.2\n[log]\nformat = "json"\n'
     )
     proc = await asyncio.create_subprocess_exec(
@@ -294,9 +296,13 @@ async def test_run_reloads_on_sighup_keeps_old_on_bad_config_and_stops_on_sigter
             "engine.url: must be an http(s) URL with a host, e.g."
             " http://127.0.0.1:8000, got 'not a url'"
         ]
-        doc = json.loads((await get(f"{api}/status"))[1])
+        status_text = (await get(f"{api}/status"))[1]
+        doc = json.loads(status_text)
         assert doc["config"]["engine"]["url"] == engine_url
         assert doc["config"]["poll"]["interval_s"] == 0.2
+        assert doc["config"]["engine"]["token"] == "***"
+        assert "tok-3f9a-secret" not in status_text
+        assert "tok-3f9a-secret" not in json.dumps([*events, rejected])
 
         path.write_text(
             f'[engine]\nurl = "{engine_url}"\n[server]\nlisten = "127.0.0.1:{port}"\n'
@@ -371,3 +377,68 @@ async def test_status_says_when_kvguard_is_not_there():
     _, err = await proc.communicate()
     assert proc.returncode == 2
     assert err.decode().startswith("kvguard status: error: cannot read http://127.0.0.1:")
+
+
+@pytest.fixture
+async def bad_engine():
+    """A loopback server whose /metrics hangs, fails with 500, or answers garbage."""
+    mode = {"now": "ok"}
+
+    async def metrics(_: web.Request) -> web.Response:
+        if mode["now"] == "hang":
+            await asyncio.sleep(30)
+        if mode["now"] == "500":
+            return web.Response(status=500, text="boom")
+        if mode["now"] == "garbage":
+            return web.Response(text="vllm:num_requests_running{engine= 3\n\x00\x01")
+        return web.Response(text='vllm:num_requests_running{engine="0",model_name="m"} 2.0\n')
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{port}", mode
+    await runner.cleanup()
+
+
+async def test_engine_and_nvml_faults_leave_the_loop_ticking(bad_engine):
+    """Hung, failing, garbage engine answers and a lost GPU: right *_up values, ticks go on."""
+    url, mode = bad_engine
+    config = parse_config({"engine": {"url": url}, "poll": {"timeout_s": 0.3}}, env={})
+    nvml = FakeNvml([FakeGpu("fake", "GPU-0", 80 * GiB, 10 * GiB)])
+    probes = Probes(
+        engine=EngineProbe(url, timeout_s=0.3),
+        nvml=NvmlProbe(GpuSelector(), nvml=nvml, timeout_s=0.3),
+        host=None,
+    )
+    daemon = Daemon(config, probes=probes)
+    runner, api = await start_api(daemon)
+    try:
+        expectations = {"ok": 1, "hang": 0, "500": 0, "garbage": 0}
+        for ticks, (now, engine_up) in enumerate(expectations.items(), start=1):
+            mode["now"] = now
+            await asyncio.wait_for(daemon.tick(), 2)
+            values = samples((await get(f"{api}/metrics"))[1])
+            assert one(values, "kvguard_engine_up") == engine_up, now
+            assert one(values, "kvguard_probe_up", probe="engine") == engine_up, now
+            assert one(values, "kvguard_ticks_total") == ticks
+        assert one(values, "kvguard_probe_errors_total", probe="engine") == 3
+        nvml.lose_gpu(0)
+        mode["now"] = "ok"
+        await daemon.tick()
+        values = samples((await get(f"{api}/metrics"))[1])
+        assert one(values, "kvguard_probe_up", probe="nvml") == 0
+        assert one(values, "kvguard_engine_up") == 1
+        nvml.restore_gpu(0)
+        await daemon.tick()
+        values = samples((await get(f"{api}/metrics"))[1])
+        assert one(values, "kvguard_probe_up", probe="nvml") == 1
+    finally:
+        await runner.cleanup()
+        await daemon.close()
