@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from kvguard.errors import ConfigError, InvalidInputError
+from kvguard.model.forecast import ForecastSettings
+from kvguard.model.policy import ACTION_KINDS, PolicyConfig
 from kvguard.model.snapshot import ENGINE_KINDS, EngineKind
 from kvguard.model.units import KV_DTYPES, parse_bytes
 
@@ -137,6 +139,9 @@ class Config:
     poll: PollConfig = PollConfig()
     server: ServerConfig = ServerConfig()
     log: LogConfig = LogConfig()
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    forecast: ForecastSettings = field(default_factory=ForecastSettings)
+    pattern_window_s: float = 60.0
     source: str = "<defaults>"
 
     def redacted(self) -> dict[str, Any]:
@@ -162,7 +167,25 @@ class Config:
             "poll": dict(vars(self.poll)),
             "server": {"listen": self.server.listen},
             "log": dict(vars(self.log)),
+            "policy": _plain(self.policy),
+            "forecast": _plain(self.forecast),
+            "pattern": {"window_s": self.pattern_window_s},
         }
+
+
+def _plain(value: object) -> object:
+    """A dataclass tree as JSON-ready values (tuples and sets become lists)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return (
+            [_plain(v) for v in sorted(value)]
+            if isinstance(value, (set, frozenset))
+            else [_plain(v) for v in value]
+        )
+    return value
 
 
 # ------------------------------------------------------------------ field parsers
@@ -296,6 +319,39 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
     },
     "server": {"listen": _listen},
     "log": {"level": _choice(LOG_LEVELS), "format": _choice(LOG_FORMATS)},
+    "policy": {
+        "tte_min_usage": _float(0.0, 1.0, low_open=False),
+        "confirm_ticks": _int(1, 1000),
+        "instant_kv_demand": _float(0.0, 100.0),
+        "exit_usage_margin": _float(0.0, 1.0, low_open=False),
+        "exit_tte_factor": _float(1.0, 100.0, low_open=False),
+        "hold_s": _float(0.0, 86_400.0, low_open=False),
+        "window_share_high": _float(0.0, 1.0),
+        "window_share_critical": _float(0.0, 1.0),
+        "min_window_tokens": _int(1),
+        "fp8_after_s": _float(0.0, 86_400.0, low_open=False),
+        "fp8_revert_calm_s": _float(0.0, 604_800.0, low_open=False),
+        "max_restarts_per_hour": _int(0, 60),
+        "disabled_actions": _list_of(_choice(ACTION_KINDS)),
+    },
+    **{
+        f"policy.{level}": {
+            "kv_usage": _float(0.0, 1.0),
+            "time_to_exhaustion_s": _float(0.0, 86_400.0),
+            "gpu_free_ratio": _float(0.0, 1.0, low_open=False),
+            "preemptions_per_s": _float(0.0, 1e6),
+        }
+        for level in ("elevated", "high", "critical")
+    },
+    "policy.cooldowns": {kind: _float(0.0, 86_400.0, low_open=False) for kind in ACTION_KINDS},
+    "forecast": {
+        "horizons_s": _list_of(_float(0.0, 86_400.0)),
+        "window_s": _float(0.0, 3600.0),
+        "kv_reserve_ratio": _float(0.0, 0.5, low_open=False),
+        "gpu_reserve": _size,
+        "min_rise_ratio_per_s": _float(0.0, 1.0, low_open=False),
+    },
+    "pattern": {"window_s": _float(0.0, 3600.0)},
 }
 _RENAMED = {("gpu", "memory"): "memory_bytes"}
 
@@ -310,7 +366,7 @@ def parse_config(
     env = os.environ if env is None else env
     problems: list[tuple[str, object, str]] = []
     sections: dict[str, dict[str, object]] = {name: {} for name in _SCHEMA}
-    for section, body in data.items():
+    for section, body in _flatten_tables(data):
         if section not in _SCHEMA:
             problems.append((section, body, f"unknown section (known: {', '.join(_SCHEMA)})"))
             continue
@@ -346,8 +402,51 @@ def parse_config(
         poll=PollConfig(**sections["poll"]),  # type: ignore[arg-type]
         server=ServerConfig(**sections["server"]),  # type: ignore[arg-type]
         log=LogConfig(**sections["log"]),  # type: ignore[arg-type]
+        policy=_policy(sections),
+        forecast=_forecast(sections),
+        pattern_window_s=float(sections["pattern"].get("window_s", 60.0)),  # type: ignore[arg-type]
         source=source,
     )
+
+
+def _flatten_tables(data: Mapping[str, object]) -> list[tuple[str, object]]:
+    """Top-level tables, with nested ones known to the schema ([policy.high]) lifted out."""
+    out: list[tuple[str, object]] = []
+    for section, body in data.items():
+        if isinstance(body, Mapping):
+            nested = {
+                k for k, v in body.items() if f"{section}.{k}" in _SCHEMA and isinstance(v, Mapping)
+            }
+            out.append((section, {k: v for k, v in body.items() if k not in nested}))
+            out += [(f"{section}.{k}", body[k]) for k in nested]
+        else:
+            out.append((section, body))
+    return out
+
+
+def _policy(sections: dict[str, dict[str, object]]) -> PolicyConfig:
+    base = PolicyConfig()
+    levels = {
+        level: replace(getattr(base, level), **sections[f"policy.{level}"])
+        for level in ("elevated", "high", "critical")
+    }
+    options: dict[str, Any] = dict(sections["policy"])
+    disabled: tuple[str, ...] = options.pop("disabled_actions", ())
+    cooldowns: dict[str, Any] = {**base.cooldowns_s, **sections["policy.cooldowns"]}
+    return replace(
+        base,
+        **levels,
+        **options,
+        cooldowns_s=cooldowns,
+        disabled=frozenset(disabled),
+    )
+
+
+def _forecast(sections: dict[str, dict[str, object]]) -> ForecastSettings:
+    options = dict(sections["forecast"])
+    if "gpu_reserve" in options:
+        options["gpu_reserve_bytes"] = float(options.pop("gpu_reserve"))  # type: ignore[arg-type]
+    return replace(ForecastSettings(), **options)  # type: ignore[arg-type]
 
 
 def _cross_checks(sections: dict[str, dict[str, object]]) -> list[tuple[str, object, str]]:
@@ -384,10 +483,20 @@ def _read_token(
             )
         if not text:
             return None, ("engine.token_file", token_file, "must not be empty")
+        if not _printable(text):
+            return None, ("engine.token_file", token_file, "must hold one line of printable text")
         return Secret(text), None
     if env.get(TOKEN_ENV):
-        return Secret(env[TOKEN_ENV].strip()), None
+        text = env[TOKEN_ENV].strip()
+        if not _printable(text):
+            return None, (TOKEN_ENV, None, "must be one line of printable text")
+        return Secret(text), None
     return None, None
+
+
+def _printable(text: str) -> bool:
+    """Whether ``text`` can travel in an HTTP header (no control characters)."""
+    return all(32 <= ord(ch) != 127 for ch in text)
 
 
 def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -> Config:

@@ -1,4 +1,4 @@
-"""The loop: observe every source, build one snapshot per tick, keep the budget.
+"""The loop: observe every source, build one snapshot per tick, keep the budget, decide.
 
 Time and concurrency live here and nowhere else. Each tick runs every probe
 concurrently with its own timeout; a probe that fails or hangs marks its data
@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from kvguard import __version__
+from kvguard.brain import Brain
 from kvguard.config import Config
 from kvguard.errors import KvguardError, ProbeError
 from kvguard.model.budget import BudgetInputs, BudgetReport, plan_budget
@@ -118,7 +119,9 @@ class Probes:
         """Probes for the engine, the selected GPUs and the host/engine process."""
         engine = config.engine
         token = engine.token.reveal() if engine.token is not None else None
-        pids = (engine.pid,) if engine.pid is not None else ()
+        # The engine's PID picks its GPUs only when [gpu] selects none (as documented).
+        explicit = bool(config.gpu.indices or config.gpu.uuids)
+        pids = (engine.pid,) if engine.pid is not None and not explicit else ()
         return cls(
             engine=EngineProbe(
                 engine.url,
@@ -168,17 +171,22 @@ class Daemon:
         *,
         probes: Probes | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         dry_run: bool = False,
     ) -> None:
         self.config = config
         self.dry_run = dry_run
         self.clock = clock
+        self.wall_clock = wall_clock
+        self.brain = Brain(config, dry_run=dry_run)
         self.probes = probes or Probes.from_config(config)
         self.state = DaemonState(started_at=clock())
         self.state.trackers = {name: ProbeTracker(p) for name, p in self.probes.all().items()}
         self._budget_memory: int | None = None
         self.version = __version__
         self._reported_mismatch: int | None = None
+        self._nvml_total: int | None = None
+        self._closing: list[asyncio.Task[None]] = []
         self.refresh_budget()
 
     # ------------------------------------------------------------------ budget
@@ -217,9 +225,12 @@ class Daemon:
             sources={name: t.reading(now) for name, t in trackers.items()},
         )
         gpus = snapshot.gpus
-        if gpus and self.config.gpu.memory_bytes is None:
-            self._refresh_budget_safely(min(g.total_bytes for g in gpus))
+        if gpus:
+            self._nvml_total = min(g.total_bytes for g in gpus)
+            if self.config.gpu.memory_bytes is None:
+                self._refresh_budget_safely(self._nvml_total)
         self._reconcile(snapshot.engine)
+        self.brain.step(snapshot, self.wall_clock())
         state = self.state
         state.snapshot = snapshot
         state.ticks_total += 1
@@ -233,8 +244,10 @@ class Daemon:
             value = await asyncio.wait_for(tracker.probe.sample(), self.config.poll.timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             self._failed(name, tracker, f"timed out after {self.config.poll.timeout_s:g} s")
-        except ProbeError as exc:
-            if getattr(tracker.probe, "available", True) is False:
+        except Exception as exc:  # noqa: BLE001 - any probe bug must not stop the loop
+            if not isinstance(exc, ProbeError):
+                self._failed(name, tracker, f"unexpected {type(exc).__name__}: {exc}")
+            elif getattr(tracker.probe, "available", True) is False:
                 # A source that is not there (no NVIDIA driver) is not failing: the
                 # probe said so once; counting it every tick would only page people.
                 tracker.ok, tracker.error = False, str(exc)
@@ -299,7 +312,9 @@ class Daemon:
         if snapshot is None:
             return poll.interval_s
         usage = snapshot.engine.kv_cache_usage_ratio if snapshot.engine else None
-        if usage is not None and usage >= FAST_POLL_KV_USAGE:
+        decision = self.brain.decision
+        demand = decision.signals.kv_demand if decision is not None else None
+        if max(usage or 0.0, demand or 0.0) >= FAST_POLL_KV_USAGE:
             return poll.min_interval_s
         for gpu in snapshot.gpus or ():
             if gpu.total_bytes and gpu.free_bytes / gpu.total_bytes <= FAST_POLL_GPU_FREE_RATIO:
@@ -325,24 +340,52 @@ class Daemon:
                 continue
 
     def reload(self, config: Config) -> None:
-        """Adopt a new, already validated config; probes are rebuilt when their settings change."""
+        """Adopt a new, already validated config, all or nothing.
+
+        The new budget and probes are built first; if either fails, the error
+        propagates and nothing changed. Probes are rebuilt only when their settings
+        changed, and keep their error counts.
+        """
         old = self.config
+        budget_changed = (
+            old.model != config.model or old.gpu.memory_bytes != config.gpu.memory_bytes
+        )
+        budget = (
+            budget_for(config, config.gpu.memory_bytes or self._nvml_total)
+            if budget_changed
+            else None
+        )
+        probes_changed = (old.engine, old.gpu, old.poll) != (
+            config.engine,
+            config.gpu,
+            config.poll,
+        ) or (old.engine.token != config.engine.token)
+        probes = Probes.from_config(config) if probes_changed else None
+        # Nothing below raises: the swap is complete or never started.
         self.config = config
-        if (old.engine, old.gpu, old.poll) != (config.engine, config.gpu, config.poll) or (
-            old.engine.token != config.engine.token
-        ):
-            asyncio.get_running_loop().create_task(self._close_probes(self.probes))
-            self.probes = Probes.from_config(config)
-            self.state.trackers = {name: ProbeTracker(p) for name, p in self.probes.all().items()}
-        if old.model != config.model or old.gpu.memory_bytes != config.gpu.memory_bytes:
-            self.state.budget = None
-            self._budget_memory = None
+        self.brain.reconfigure(config)
+        if probes is not None:
+            self._closing.append(
+                asyncio.get_running_loop().create_task(self._close_probes(self.probes))
+            )
+            self.probes = probes
+            trackers: dict[str, ProbeTracker[Any]] = {}
+            for name, probe in probes.all().items():
+                previous = self.state.trackers.get(name)
+                trackers[name] = ProbeTracker(probe)
+                if previous is not None:
+                    trackers[name].errors_total = previous.errors_total
+                    trackers[name].ever_failed = previous.ever_failed
+            self.state.trackers = trackers
+        if budget_changed:
+            self.state.budget = budget
+            self._budget_memory = config.gpu.memory_bytes or self._nvml_total
             self.state.reconciliation = None
-            self.refresh_budget()
         log.info("config_reloaded", source=config.source)
 
     async def close(self) -> None:
-        """Release every probe's resources."""
+        """Release every probe's resources (and wait for probes replaced by reloads)."""
+        await asyncio.gather(*self._closing, return_exceptions=True)
         await self._close_probes(self.probes)
 
     @staticmethod

@@ -99,6 +99,16 @@ async def serve(config: Config, *, config_path: str | None, dry_run: bool = Fals
         await runner.cleanup()
         await daemon.close()
         raise KvguardError(f"cannot listen on {config.server.listen}: {exc.strerror}") from exc
+    watchdog = notifier.watchdog_interval_s
+    slowest_tick = config.poll.interval_s + config.poll.timeout_s
+    if watchdog is not None and slowest_tick >= watchdog:
+        # Pings ride on ticks; a tick slower than the ping interval gets kvguard killed.
+        log.warning(
+            "watchdog_interval_too_short",
+            ping_interval_s=watchdog,
+            slowest_tick_s=slowest_tick,
+            hint="raise WatchdogSec= or lower poll.interval_s + poll.timeout_s",
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -133,12 +143,9 @@ def _reload(daemon: Daemon, path: str, notifier: SystemdNotifier) -> None:
         new = load_config(path)
         daemon.reload(new)
     except KvguardError as exc:
-        problems = exc.problems if isinstance(exc, ConfigError) else [("config", path, str(exc))]
+        problems = exc.lines() if isinstance(exc, ConfigError) else [str(exc)]
         log.error(  # noqa: TRY400 - the problems are the message; a traceback would bury them
-            "config_reload_rejected",
-            source=path,
-            problems=[f"{f}: {a}, got {v!r}" for f, v, a in problems],
-            kept=daemon.config.source,
+            "config_reload_rejected", source=path, problems=problems, kept=daemon.config.source
         )
     finally:
         notifier.ready()

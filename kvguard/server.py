@@ -7,12 +7,14 @@ bearer token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvguard.brain import action_dict
 from kvguard.budget_report import budget_to_dict
 from kvguard.daemon import Daemon
 from kvguard.telemetry import daemon_registry
@@ -106,6 +108,7 @@ def status_document(daemon: Daemon) -> dict[str, Any]:
         "host": asdict(snapshot.host) if snapshot and snapshot.host else None,
         "budget": budget,
         "budget_error": state.budget_error,
+        "pressure": _pressure(daemon),
         "reconciliation": None
         if rec is None
         else {
@@ -115,6 +118,43 @@ def status_document(daemon: Daemon) -> dict[str, Any]:
             "difference_ratio": rec.difference_ratio,
         },
     }
+
+
+def _pressure(daemon: Daemon) -> dict[str, Any] | None:
+    brain = daemon.brain
+    decision, fc, pattern = brain.decision, brain.forecast, brain.pattern
+    if decision is None or fc is None or pattern is None:
+        return None
+    return {
+        "mode": brain.mode,
+        "level": decision.level,
+        "level_for_s": round(decision.t - decision.state.level_since, 3),
+        "crossed": list(decision.crossed),
+        "deferred": list(decision.deferred),
+        "pattern": pattern.pattern,
+        "pattern_confidence": pattern.confidence,
+        "pattern_features": dict(pattern.features),
+        "forecast": {
+            "kv_level_tokens": fc.kv.level,
+            "kv_capacity_tokens": fc.kv.capacity,
+            "kv_slope_tokens_per_s": fc.kv.slope_per_s,
+            "kv_time_to_exhaustion_s": _finite(fc.kv.time_to_exhaustion_s),
+            "kv_projected_tokens": {f"{h:g}": v for h, v in fc.kv.projected.items()},
+            "gpu_time_to_exhaustion_s": _finite(fc.gpu.time_to_exhaustion_s),
+            "queue_demand_tokens": fc.queue_demand_tokens,
+            "prompt_fill_per_s": fc.prompt_fill_per_s,
+            "generation_fill_per_s": fc.generation_fill_per_s,
+            "drain_per_s": fc.drain_per_s,
+            "preemptions_per_s": fc.preemptions_per_s,
+        },
+        "active": [action_dict(a) for a in decision.state.active.values()],
+        "decisions": [record.as_dict() for record in reversed(brain.decisions)],
+    }
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: +Inf ("not rising") is null."""
+    return None if math.isinf(value) else value
 
 
 def _engine(daemon: Daemon) -> dict[str, Any] | None:

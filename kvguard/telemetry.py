@@ -18,8 +18,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvguard.daemon import Daemon
+from kvguard.model.pattern import TrafficPattern
+from kvguard.model.policy import LEVELS
 
 BUDGET_COMPONENTS = ("weights", "kv_pool", "activations", "overhead", "headroom")
+TRAFFIC_PATTERNS: tuple[TrafficPattern, ...] = (
+    "long_context",
+    "bursty_short",
+    "prefill_heavy",
+    "decode_heavy",
+    "steady",
+)
 
 
 def _gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
@@ -40,6 +49,7 @@ class DaemonCollector(Collector):
         yield from self._host_metrics()
         yield from self._engine_metrics()
         yield from self._budget_metrics()
+        yield from self._brain_metrics()
 
     def _self_metrics(self) -> Iterator[Metric]:
         state = self.daemon.state
@@ -55,19 +65,33 @@ class DaemonCollector(Collector):
         errors = CounterMetricFamily(
             "kvguard_probe_errors", "Failed probe reads.", labels=["probe"]
         )
+        age = GaugeMetricFamily(
+            "kvguard_probe_age_seconds",
+            "Seconds since the probe last read its source.",
+            labels=["probe"],
+        )
+        now = self.daemon.clock()
         for name, tracker in sorted(state.trackers.items()):
             up.add_metric([name], 1.0 if tracker.ok else 0.0)
             duration.add_metric([name], tracker.duration_s)
             errors.add_metric([name], tracker.errors_total)
-        yield from (up, duration, errors)
+            if tracker.read_at is not None:
+                age.add_metric([name], now - tracker.read_at)
+        yield from (up, duration, errors, age)
         yield from _gauge(
             "kvguard_tick_duration_seconds", "Duration of the last tick.", state.tick_duration_s
         )
         yield CounterMetricFamily("kvguard_ticks", "Ticks completed.", value=state.ticks_total)
 
+    def _fresh(self, source: str) -> bool:
+        """Whether ``source`` answered this tick: a stale value is not exported as live."""
+        snapshot = self.daemon.state.snapshot
+        reading = snapshot.sources.get(source) if snapshot else None
+        return reading is not None and reading.ok
+
     def _gpu_metrics(self) -> Iterator[Metric]:
         snapshot = self.daemon.state.snapshot
-        if snapshot is None or not snapshot.gpus:
+        if snapshot is None or not snapshot.gpus or not self._fresh("nvml"):
             return
         families = {
             "total": GaugeMetricFamily(
@@ -104,7 +128,7 @@ class DaemonCollector(Collector):
     def _host_metrics(self) -> Iterator[Metric]:
         snapshot = self.daemon.state.snapshot
         host = snapshot.host if snapshot else None
-        if host is None:
+        if host is None or not self._fresh("host"):
             return
         yield from _gauge(
             "kvguard_host_memory_total_bytes", "Host memory, total.", host.memory_total_bytes
@@ -133,7 +157,7 @@ class DaemonCollector(Collector):
         yield GaugeMetricFamily(
             "kvguard_engine_up", "Whether the engine answers and is healthy.", value=float(up)
         )
-        if engine is None:
+        if engine is None or not self._fresh("engine"):
             return
         yield from _gauge(
             "kvguard_kv_cache_usage_ratio", "KV cache in use, 0-1.", engine.kv_cache_usage_ratio
@@ -197,6 +221,62 @@ class DaemonCollector(Collector):
                 "Reported minus predicted KV capacity.",
                 rec.difference_tokens,
             )
+
+    def _brain_metrics(self) -> Iterator[Metric]:
+        brain = self.daemon.brain
+        decisions = CounterMetricFamily(
+            "kvguard_decisions", "Actions decided, by action and mode.", labels=["action", "mode"]
+        )
+        for (action, mode), count in sorted(brain.counts.items()):
+            decisions.add_metric([action, mode], count)
+        yield decisions
+        fc, decision, pattern = brain.forecast, brain.decision, brain.pattern
+        if fc is not None:
+            tte = GaugeMetricFamily(
+                "kvguard_time_to_exhaustion_seconds",
+                "Forecast time until the resource runs out (+Inf: not rising).",
+                labels=["resource"],
+            )
+            tte.add_metric(["kv_cache"], fc.kv.time_to_exhaustion_s)
+            tte.add_metric(["gpu_memory"], fc.gpu.time_to_exhaustion_s)
+            yield tte
+            projected = GaugeMetricFamily(
+                "kvguard_projected_kv_tokens",
+                "KV demand (in use + queued prompts) projected at each horizon.",
+                labels=["horizon"],
+            )
+            for horizon, value in sorted(fc.kv.projected.items()):
+                projected.add_metric([f"{horizon:g}"], value)
+            yield projected
+            budget = self.daemon.state.budget
+            per_token = budget.budget.kv_bytes_per_token_per_gpu if budget else None
+            horizons = self.daemon.config.forecast.horizons_s
+            headroom = fc.headroom_bytes(per_token, horizons[0]) if horizons else None
+            yield from _gauge(
+                "kvguard_headroom_bytes",
+                "KV headroom per GPU at the first forecast horizon, in bytes.",
+                headroom,
+            )
+        if decision is not None:
+            level = LEVELS.index(decision.level)
+            yield GaugeMetricFamily(
+                "kvguard_pressure_level", "Pressure level, 0 ok to 3 critical.", value=level
+            )
+            state = GaugeMetricFamily(
+                "kvguard_pressure_state", "1 for the current pressure level.", labels=["state"]
+            )
+            for name in LEVELS:
+                state.add_metric([name], 1.0 if name == decision.level else 0.0)
+            yield state
+        if pattern is not None:
+            family = GaugeMetricFamily(
+                "kvguard_traffic_pattern",
+                "1 for the traffic pattern now detected.",
+                labels=["pattern"],
+            )
+            for kind in TRAFFIC_PATTERNS:
+                family.add_metric([kind], 1.0 if kind == pattern.pattern else 0.0)
+            yield family
 
 
 def daemon_registry(daemon: Daemon) -> CollectorRegistry:

@@ -164,3 +164,14 @@ def test_check_config_validates_the_model_budget(tmp_path):
         "model.config: must give a usable budget (tp: must divide num_attention_heads (32)"
         in result.stderr
     )
+
+
+def test_a_token_with_control_characters_is_refused(tmp_path):
+    """A token that cannot travel in an HTTP header is a config problem, not a crash later."""
+    with pytest.raises(
+        ConfigError, match="KVGUARD_ENGINE_TOKEN: must be one line of printable text"
+    ):
+        parse_config({"engine": {"url": "http://h:1"}}, env={TOKEN_ENV: "abc\ndef"})
+    (tmp_path / "t").write_text("abc\x01def")
+    with pytest.raises(ConfigError, match="must hold one line of printable text"):
+        parse_config({"engine": {"url": "http://h:1", "token_file": str(tmp_path / "t")}}, env={})

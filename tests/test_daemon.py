@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 
 from kvguard.config import parse_config
 from kvguard.daemon import Daemon, Probes
-from kvguard.errors import ProbeError
+from kvguard.errors import KvguardError, ProbeError
 from kvguard.model.snapshot import EngineStats, GpuMemory, HostStats
 from kvguard.model.units import GiB
 
@@ -204,3 +204,54 @@ async def test_an_unavailable_source_is_down_but_not_an_error():
     assert snapshot.sources["nvml"].available is False
     assert daemon.state.trackers["nvml"].errors_total == 0
     assert logs == []
+
+
+async def test_a_rejected_reload_changes_nothing():
+    """A reload whose budget cannot be built raises and leaves config, probes and budget alone."""
+    daemon, probes, _ = make({"model": {"config": "llama-3.1-8b"}})
+    budget = daemon.state.budget
+    bad = parse_config(
+        {"engine": {"url": "http://127.0.0.1:2"}, "model": {"config": "no-such-model"}}, env={}
+    )
+    with pytest.raises(KvguardError):
+        daemon.reload(bad)
+    assert daemon.config.engine.url == "http://127.0.0.1:1"
+    assert daemon.probes is probes
+    assert daemon.state.budget is budget
+
+
+async def test_a_good_reload_keeps_error_counts():
+    """Rebuilt probes keep their error counts (counters must not reset on reload)."""
+    daemon, probes, _ = make()
+    probes.host.error = "boom"  # type: ignore[union-attr]
+    await daemon.tick()
+    new = parse_config(
+        {"engine": {"url": "http://127.0.0.1:3"}, "poll": {"timeout_s": 0.2}}, env={}
+    )
+    daemon.reload(new)
+    assert daemon.state.trackers["host"].errors_total == 1
+    assert daemon.config.engine.url == "http://127.0.0.1:3"
+    await daemon.close()
+
+
+async def test_a_probe_bug_is_a_failed_read_not_a_dead_loop():
+    """An unexpected exception from a probe is counted as a failure; the tick completes."""
+    daemon, probes, _ = make()
+
+    async def broken() -> object:
+        raise ValueError("Forbidden control character")
+
+    probes.engine.sample = broken  # type: ignore[method-assign]
+    snapshot = await daemon.tick()
+    assert snapshot.sources["engine"].ok is False
+    assert snapshot.sources["engine"].error == "unexpected ValueError: Forbidden control character"
+
+
+def test_engine_pid_selects_gpus_only_without_an_explicit_selection():
+    """[gpu] indices win over [engine] pid for choosing GPUs."""
+    both = parse_config(
+        {"engine": {"url": "http://h:1", "pid": 42}, "gpu": {"indices": [0]}}, env={}
+    )
+    pid_only = parse_config({"engine": {"url": "http://h:1", "pid": 42}}, env={})
+    assert Probes.from_config(both).nvml.selector.pids == ()  # type: ignore[union-attr]
+    assert Probes.from_config(pid_only).nvml.selector.pids == (42,)  # type: ignore[union-attr]

@@ -221,6 +221,9 @@ async def test_a_dead_engine_keeps_the_loop_ticking(watched):
     assert one(values, "kvguard_probe_up", probe="engine") == 0
     assert one(values, "kvguard_probe_errors_total", probe="engine") == 3
     assert one(values, "kvguard_ticks_total") == 4
+    assert "kvguard_kv_cache_usage_ratio" not in values  # stale figures are not exported as live
+    assert "kvguard_requests_running" not in values
+    assert one(values, "kvguard_probe_age_seconds", probe="engine") >= 0
     status, text = await get(f"{url}/readyz")
     assert status == 503
     assert "engine unreachable" in text

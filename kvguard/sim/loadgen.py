@@ -56,6 +56,7 @@ SHED_STATUSES = frozenset({429, 503})
 _SCRAPE_TIMEOUT_S = 5.0
 _PROGRESS_INTERVAL_S = 0.5
 _SAMPLE_INTERVAL_S = 0.5
+_CHAT_TEMPLATE_TOKENS = 32  # role markers a chat template adds around the messages
 
 # Plain lowercase words only: no digits, underscores or punctuation, so each is
 # exactly one token to the simulator and close to one to a real tokenizer.
@@ -449,8 +450,8 @@ def _within_slo(outcome: _Outcome, config: LoadConfig) -> bool:
     return ttft <= config.slo_ttft_s
 
 
-async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
-    """The first model id the server lists at ``GET /v1/models``."""
+async def _first_model(session: aiohttp.ClientSession, base_url: str) -> tuple[str, int | None]:
+    """The first model the server lists at ``GET /v1/models``, and its max_model_len if given."""
     allowed = "must serve GET /v1/models with at least one model (or name the model)"
     try:
         async with session.get(
@@ -460,7 +461,9 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
         ) as response:
             response.raise_for_status()
             data = json.loads(await response.read())
-        return str(data["data"][0]["id"])
+        card = data["data"][0]
+        limit = card.get("max_model_len")
+        return str(card["id"]), limit if isinstance(limit, int) and limit > 1 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError) as exc:
         raise InvalidInputError("url", base_url, f"{allowed}; {type(exc).__name__}") from exc
     except (ValueError, LookupError, TypeError) as exc:
@@ -531,15 +534,26 @@ async def run_load(config: LoadConfig) -> LoadReport:
     no model is given and the server does not list one. A progress line is drawn
     on stderr when it is a terminal.
     """
-    specs = generate(config.pattern, seed=config.seed, params=config.traffic())
     connector = aiohttp.TCPConnector(limit=config.concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        model = config.model or await _first_model(session, config.base_url)
-        before = await _scrape(session, config.base_url)
+    # Scrapes get their own session: a saturated request pool must not starve the
+    # KV sampler exactly when the cache is fullest.
+    async with (
+        aiohttp.ClientSession() as monitor,
+        aiohttp.ClientSession(connector=connector) as session,
+    ):
+        model, limit = config.model, None
+        if model is None:
+            model, limit = await _first_model(monitor, config.base_url)
+        if limit is not None:
+            # Never plan requests the server will refuse; chat templates add a few tokens.
+            room = limit - (_CHAT_TEMPLATE_TOKENS if config.endpoint == "chat" else 0)
+            config = replace(config, max_context=max(2, min(config.max_context, room)))
+        specs = generate(config.pattern, seed=config.seed, params=config.traffic())
+        before = await _scrape(monitor, config.base_url)
         run = _Run(config, session, model)
         progress = asyncio.ensure_future(_show_progress(run)) if sys.stderr.isatty() else None
         sampler = _CacheSampler()
-        sampling = asyncio.ensure_future(sampler.run(session, config.base_url))
+        sampling = asyncio.ensure_future(sampler.run(monitor, config.base_url))
         try:
             await run.dispatch(specs)
             await run.drain()
@@ -552,7 +566,7 @@ async def run_load(config: LoadConfig) -> LoadReport:
                 await asyncio.gather(progress, return_exceptions=True)
                 sys.stderr.write("\r" + run.progress_line() + "  \n")
         duration_s = run.loop.time() - run.start
-        after = await _scrape(session, config.base_url)
+        after = await _scrape(monitor, config.base_url)
     report = run.report(_preemption_delta(before, after), duration_s)
     return replace(
         report,

@@ -152,29 +152,34 @@ async def stream_answer(
             chunk["usage"] = usage
         await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
-    if chat:
-        await send(
-            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-        )
-    while (token := await handle.tokens.get()) is not None:
-        finished = handle.seq.state == "finished" and handle.tokens.qsize() <= 1
-        reason = handle.finish_reason if finished else None
-        delta = {"delta": {"content": token}} if chat else {"text": token}
-        await send([{"index": 0, **delta, "logprobs": None, "finish_reason": reason}])
-    if handle.error is not None:
-        payload = {
-            "error": {
-                "object": "error",
-                "message": handle.error,
-                "type": "InternalServerError",
-                "code": 500,
+    try:
+        if chat:
+            await send(
+                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+            )
+        while (token := await handle.tokens.get()) is not None:
+            finished = handle.seq.state == "finished" and handle.tokens.qsize() <= 1
+            reason = handle.finish_reason if finished else None
+            delta = {"delta": {"content": token}} if chat else {"text": token}
+            await send([{"index": 0, **delta, "logprobs": None, "finish_reason": reason}])
+        if handle.error is not None:
+            payload = {
+                "error": {
+                    "object": "error",
+                    "message": handle.error,
+                    "type": "InternalServerError",
+                    "code": 500,
+                }
             }
-        }
-        await response.write(f"data: {json.dumps(payload)}\n\n".encode())
-    elif usage:
-        await send([], usage=usage_of(handle))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+        elif usage:
+            await send([], usage=usage_of(handle))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:
+        # The client went away mid-stream: generate() aborts the request; nothing to
+        # tell a closed socket, and no error to log for an ordinary disconnect.
+        pass
     return response
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from kvguard.errors import InvalidInputError
+from kvguard.errors import InvalidInputError, KvguardError
 from kvguard.model.budget import BudgetInputs, plan_budget
 from kvguard.model.units import dtype_bytes
 from kvguard.model_files import load_model_files
@@ -61,6 +61,16 @@ def size_pool(spec: PoolSpec) -> SizedPool:
     tokens in the same memory. With ``model`` and GPU memory, the pool is exactly
     what ``kvguard budget`` predicts (``kv_capacity_blocks``).
     """
+    for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidInputError(name, value, "must be an integer >= 1")
+    if spec.model is not None and spec.kv_capacity_tokens is None and spec.gpu_memory_bytes is None:
+        raise InvalidInputError(
+            "model",
+            spec.model,
+            "needs --gpu-memory or --gpu to size the pool (or --kv-capacity-tokens)",
+        )
     fp8_factor = (
         2 if spec.kv_cache_dtype.lower() != "auto" and dtype_bytes(spec.kv_cache_dtype) == 1 else 1
     )
@@ -124,9 +134,11 @@ class SimServer:
     crash_messages: list[str] = field(default_factory=list)
 
     async def stop(self) -> None:
-        """Stop serving and stop the engine."""
-        await self.runner.cleanup()
+        """Stop the engine (failing in-flight requests at once), then stop serving."""
+        # Engine first: open streams end now instead of holding the shutdown for
+        # as long as aiohttp waits for handlers.
         await self.engine.stop()
+        await self.runner.cleanup()
 
 
 async def start_sim_server(
@@ -155,7 +167,11 @@ async def start_sim_server(
     runner = web.AppRunner(build_app(engine, settings), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise KvguardError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     bound = runner.addresses[0][1] if port == 0 else port
     engine.start()
     return SimServer(engine, runner, f"http://{host}:{bound}", crashed, messages)

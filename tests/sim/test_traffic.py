@@ -126,7 +126,7 @@ def test_bursty_short_arrives_in_bursts_of_short_requests():
 
 def test_bursty_short_parameters_shape_the_bursts():
     """Burst size, spread and gap come from the parameters; the first burst starts at 0."""
-    rng = random.Random(3)  # noqa: S311 -- a seeded test input
+    rng = random.Random(3)
     params = TrafficParams(duration_s=30)
     items = list(bursty_short(rng, params, burst_min=5, burst_max=5, mean_gap_s=1, spread_s=0.01))
     assert items[0].at_s < 0.01
@@ -177,10 +177,10 @@ def test_long_context_reaches_toward_the_context_limit():
 
 def test_long_context_number_of_conversations_is_a_parameter():
     """`conversations` fixes how many run side by side, numbered from `first_conversation`."""
-    rng = random.Random(0)  # noqa: S311 -- a seeded test input
+    rng = random.Random(0)
     items = list(long_context(rng, TrafficParams(duration_s=10), conversations=2))
     assert {s.conversation for s in items} == {0, 1}
-    rng = random.Random(0)  # noqa: S311 -- a seeded test input
+    rng = random.Random(0)
     items = list(
         long_context(rng, TrafficParams(duration_s=10), conversations=3, first_conversation=10)
     )
@@ -255,7 +255,7 @@ def test_default_priority_shares_are_respected():
 def test_a_class_with_no_share_is_never_drawn(shares, seed):
     """Shares are normalized; a zero share never appears."""
     mix = PriorityShares(*shares)
-    rng = random.Random(seed)  # noqa: S311 -- a seeded test input
+    rng = random.Random(seed)
     drawn = {mix.draw(rng) for _ in range(200)}
     assert drawn <= {name for name, share in mix.as_dict().items() if share > 0}
 

@@ -1,0 +1,1 @@
+"""Reproducible benchmarks; each writes its numbers to bench/results/ (see docs)."""

@@ -1,0 +1,155 @@
+"""The daemon's decision step: forecast, traffic pattern and ladder, every tick.
+
+:class:`Brain` keeps the recent window of :class:`~kvguard.model.series.TickSample`
+and the policy's :class:`~kvguard.model.policy.GuardState`, runs the pure core
+(:mod:`kvguard.model.forecast`, :mod:`kvguard.model.pattern`,
+:mod:`kvguard.model.policy`) on each snapshot, and keeps an audit trail: the last
+50 decisions with their reasons, a count per action and mode, and one structured
+log event per level change and per action. Until actuators exist every decision is
+``dry_run``: computed, exported, logged and shown, never carried out.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import structlog
+
+from kvguard.config import Config
+from kvguard.model.forecast import Forecast, forecast
+from kvguard.model.pattern import PatternReading, PatternThresholds, classify
+from kvguard.model.policy import Action, Decision, GuardState, decide
+from kvguard.model.series import TickSample, tick_sample
+from kvguard.model.snapshot import Snapshot
+
+log = structlog.get_logger("kvguard.brain")
+Mode = Literal["dry_run", "applied"]
+DECISIONS_KEPT = 50
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """One entry of the audit trail: what was decided, why, and in which mode."""
+
+    at: float  # wall-clock seconds (for people); the decision's own t is monotonic
+    level: str
+    previous_level: str
+    pattern: str
+    actions: tuple[Action, ...]
+    crossed: tuple[str, ...]
+    deferred: tuple[str, ...]
+    mode: Mode
+    signals: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form for /status."""
+        return {
+            "at": self.at,
+            "level": self.level,
+            "previous_level": self.previous_level,
+            "pattern": self.pattern,
+            "actions": [action_dict(a) for a in self.actions],
+            "crossed": list(self.crossed),
+            "deferred": list(self.deferred),
+            "mode": self.mode,
+            "signals": self.signals,
+        }
+
+
+def action_dict(action: Action) -> dict[str, Any]:
+    """An action's fields, without the ones that do not apply."""
+    fields = {
+        "kind": action.kind,
+        "reason": action.reason,
+        "priority": action.priority,
+        "max_prompt_tokens": action.max_prompt_tokens,
+        "max_tokens": action.max_tokens,
+        "target": action.target,
+    }
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+class Brain:
+    """Runs forecast → pattern → policy on each snapshot and remembers what it decided."""
+
+    def __init__(self, config: Config, *, dry_run: bool = True) -> None:
+        self.config = config
+        self.dry_run = dry_run
+        self.samples: deque[TickSample] = deque()
+        self.guard = GuardState()
+        self.forecast: Forecast | None = None
+        self.pattern: PatternReading | None = None
+        self.decision: Decision | None = None
+        self.decisions: deque[DecisionRecord] = deque(maxlen=DECISIONS_KEPT)
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    @property
+    def mode(self) -> Mode:
+        """``dry_run`` until actuators exist (and always with ``--dry-run``)."""
+        return "dry_run"
+
+    def reconfigure(self, config: Config) -> None:
+        """Adopt a reloaded config; the history and the level are kept."""
+        self.config = config
+
+    def step(self, snapshot: Snapshot, wall_time: float) -> Decision:
+        """Decide on one snapshot; record and log what changed."""
+        config = self.config
+        self.samples.append(tick_sample(snapshot))
+        keep = max(config.forecast.window_s, config.pattern_window_s) + 5.0
+        while self.samples and snapshot.taken_at - self.samples[0].t > keep:
+            self.samples.popleft()
+        samples = tuple(self.samples)
+        self.forecast = forecast(samples, config.forecast)
+        self.pattern = classify(samples, PatternThresholds(window_s=config.pattern_window_s))
+        decision = decide(
+            snapshot.taken_at, self.forecast, self.pattern.pattern, config.policy, self.guard
+        )
+        self.guard = decision.state
+        self.decision = decision
+        if decision.plan or decision.level != decision.previous_level:
+            self._record(decision, wall_time)
+        return decision
+
+    def _record(self, decision: Decision, wall_time: float) -> None:
+        signals = {
+            "kv_usage": decision.signals.kv_usage,
+            "kv_demand": decision.signals.kv_demand,
+            "time_to_exhaustion_s": decision.signals.time_to_exhaustion_s,
+            "gpu_free_ratio": decision.signals.gpu_free_ratio,
+            "gpu_time_to_exhaustion_s": decision.signals.gpu_time_to_exhaustion_s,
+            "preemptions_per_s": decision.signals.preemptions_per_s,
+        }
+        record = DecisionRecord(
+            wall_time,
+            decision.level,
+            decision.previous_level,
+            decision.pattern,
+            decision.plan,
+            decision.crossed,
+            decision.deferred,
+            self.mode,
+            signals,
+        )
+        self.decisions.append(record)
+        if decision.level != decision.previous_level:
+            log.warning(
+                "pressure_level_changed",
+                previous=decision.previous_level,
+                level=decision.level,
+                pattern=decision.pattern,
+                crossed=list(decision.crossed),
+                **signals,
+            )
+        for action in decision.plan:
+            self.counts[(action.kind, self.mode)] += 1
+            log.warning(
+                "decision",
+                mode=self.mode,
+                level=decision.level,
+                pattern=decision.pattern,
+                crossed=list(decision.crossed),
+                **action_dict(action),
+            )
