@@ -20,7 +20,7 @@ from kvguard.model.budget import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
-    BudgetInputs,
+    budget_inputs_from,
     plan_budget,
 )
 from kvguard.model.gpus import GPU_PRESETS, gpu_preset
@@ -159,17 +159,9 @@ def _run_budget(args: argparse.Namespace) -> int:
     else:
         memory = _size(args.gpu_memory, "--gpu-memory")
         gpu = "custom" if memory is not None else "default (80 GiB)"
-    inputs = BudgetInputs(
-        tp=args.tp,
-        pp=args.pp,
-        max_model_len=args.max_model_len,
-        concurrency=args.concurrency,
-        kv_cache_dtype=args.kv_cache_dtype,
+    inputs = budget_inputs_from(
+        args,
         gpu_memory_bytes=memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size,
         weights_bytes=_size(args.weights_bytes, "--weights-bytes"),
         kv_cache_memory_bytes=_size(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes"),
         activation_bytes=_size(args.activation_bytes, "--activation-bytes"),

@@ -20,7 +20,7 @@ from kvguard import __version__
 from kvguard.brain import Brain
 from kvguard.config import Config
 from kvguard.errors import KvguardError, ProbeError
-from kvguard.model.budget import BudgetInputs, BudgetReport, plan_budget
+from kvguard.model.budget import BudgetReport, budget_inputs_from, plan_budget
 from kvguard.model.snapshot import EngineStats, GpuMemory, HostStats, Snapshot, SourceReading
 from kvguard.model_files import load_model_files
 from kvguard.probes.base import Probe
@@ -48,21 +48,7 @@ def budget_for(config: Config, gpu_memory_bytes: int | None) -> BudgetReport | N
     if model.config is None:
         return None
     files = load_model_files(model.config)
-    inputs = BudgetInputs(
-        tp=model.tp,
-        pp=model.pp,
-        max_model_len=model.max_model_len,
-        max_num_seqs=model.max_num_seqs,
-        max_num_batched_tokens=model.max_num_batched_tokens,
-        kv_cache_dtype=model.kv_cache_dtype,
-        gpu_memory_bytes=gpu_memory_bytes,
-        gpu_memory_utilization=model.gpu_memory_utilization,
-        kv_cache_memory_bytes=model.kv_cache_memory_bytes,
-        block_size=model.block_size,
-        weights_bytes=model.weights_bytes,
-        activation_bytes=model.activation_bytes,
-        overhead_bytes=model.overhead_bytes,
-    )
+    inputs = budget_inputs_from(model, gpu_memory_bytes=gpu_memory_bytes)
     return plan_budget(
         files.config, inputs, index_total_size=files.index_total_size, source=files.source
     )

@@ -142,6 +142,7 @@ def _reload(daemon: Daemon, path: str, notifier: SystemdNotifier) -> None:
     try:
         new = load_config(path)
         daemon.reload(new)
+        configure_logging(new.log.level, new.log.format)  # [log] applies on reload too
     except KvguardError as exc:
         problems = exc.lines() if isinstance(exc, ConfigError) else [str(exc)]
         log.error(  # noqa: TRY400 - the problems are the message; a traceback would bury them

@@ -18,17 +18,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvguard.daemon import Daemon
-from kvguard.model.pattern import TrafficPattern
+from kvguard.model.pattern import TRAFFIC_PATTERNS
 from kvguard.model.policy import LEVELS
 
 BUDGET_COMPONENTS = ("weights", "kv_pool", "activations", "overhead", "headroom")
-TRAFFIC_PATTERNS: tuple[TrafficPattern, ...] = (
-    "long_context",
-    "bursty_short",
-    "prefill_heavy",
-    "decode_heavy",
-    "steady",
-)
 
 
 def _gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 
 from kvguard.errors import InvalidInputError
@@ -82,6 +82,19 @@ class BudgetInputs:
 MAX_COUNT = 1_000_000
 MAX_TOKENS = 2**31  # engines hold token positions in int32
 MAX_BYTES = 2**60  # 1 EiB
+
+
+def budget_inputs_from(source: object, **overrides: object) -> BudgetInputs:
+    """:class:`BudgetInputs` from an object with same-named attributes.
+
+    ``source`` is a config section, parsed CLI flags or a sim pool spec;
+    ``overrides`` win. The values are validated as usual.
+    """
+    values = {
+        f.name: getattr(source, f.name) for f in fields(BudgetInputs) if hasattr(source, f.name)
+    }
+    values.update(overrides)
+    return BudgetInputs(**values)
 
 
 def _check_int(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvguard.sim.scheduler import Scheduler, SchedulerConfig, Sequence, StepPlan
-from kvguard.sim.stats import EngineStats
+from kvguard.sim.stats import SimStats
 from kvguard.sim.tokenizer import FillerText
 
 PauseMode = Literal["abort", "wait", "keep"]
@@ -77,7 +77,7 @@ class SimEngine:
         self.config = config
         self.scheduler = Scheduler(config)
         self.time_model = time_model or TimeModel()
-        self.stats = EngineStats()
+        self.stats = SimStats()
         self.dead_reason: str | None = None
         self.pause_mode: PauseMode | None = None
         self._rng = random.Random(seed)

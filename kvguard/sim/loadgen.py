@@ -29,13 +29,11 @@ import aiohttp
 
 from kvguard.errors import InvalidInputError
 from kvguard.sim.loadgen_report import (
-    KV_USAGE_GAUGES,
-    WAITING_GAUGES,
     ClassCounts,
     LoadReport,
     Percentiles,
+    engine_reading,
     preemptions_in,
-    series_in,
 )
 from kvguard.sim.traffic import (
     DEFAULT_MAX_CONTEXT,
@@ -508,8 +506,9 @@ class _CacheSampler:
         while True:
             text = await _scrape(session, base_url)
             if text is not None:
-                usage = series_in(text, KV_USAGE_GAUGES, peak=True)
-                waiting = series_in(text, WAITING_GAUGES, peak=False)
+                reading = engine_reading(text)
+                usage = reading.kv_cache_usage_ratio if reading else None
+                waiting = reading.requests_waiting if reading else None
                 if usage is not None:
                     self.usage.append(usage)
                 if waiting is not None:
@@ -524,7 +523,7 @@ async def _show_progress(run: _Run) -> None:
         await asyncio.sleep(_PROGRESS_INTERVAL_S)
 
 
-async def run_load(config: LoadConfig) -> LoadReport:
+async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> LoadReport:
     """Drive ``config.url`` with ``config.pattern`` and report what came back.
 
     Bounded: sending stops at ``duration_s`` or ``max_requests``; in-flight requests
@@ -532,7 +531,9 @@ async def run_load(config: LoadConfig) -> LoadReport:
     counted as unfinished (not failed: the run cut them off, the server did not).
     Raises :class:`InvalidInputError` when
     no model is given and the server does not list one. A progress line is drawn
-    on stderr when it is a terminal.
+    on stderr when it is a terminal. Setting ``stop`` (Ctrl-C) ends the run at once:
+    what is in flight is cancelled and counted unfinished, and the report covers
+    what was sent.
     """
     connector = aiohttp.TCPConnector(limit=config.concurrency)
     # Scrapes get their own session: a saturated request pool must not starve the
@@ -555,8 +556,19 @@ async def run_load(config: LoadConfig) -> LoadReport:
         sampler = _CacheSampler()
         sampling = asyncio.ensure_future(sampler.run(monitor, config.base_url))
         try:
-            await run.dispatch(specs)
-            await run.drain()
+            dispatching = asyncio.ensure_future(run.dispatch(specs))
+            waiters: set[asyncio.Future[Any]] = {dispatching}
+            if stop is not None:
+                waiters.add(asyncio.ensure_future(stop.wait()))
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in waiters - {dispatching}:
+                waiter.cancel()
+            if stop is not None and stop.is_set():
+                dispatching.cancel()
+                await asyncio.gather(dispatching, return_exceptions=True)
+            else:
+                await dispatching
+                await run.drain()
         finally:
             sampling.cancel()
             await asyncio.gather(sampling, return_exceptions=True)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from kvguard.sim.traffic import DEFAULT_MAX_CONTEXT, PATTERNS, PRIORITIES, Prior
 
 _DEFAULTS = LoadConfig(url="http://127.0.0.1:8000")
 _SHARES_EXAMPLE = "critical=0.1,standard=0.6,sheddable=0.3"
+EXIT_INTERRUPTED = 130  # the shell convention for a run ended by SIGINT
 
 # LoadConfig reports its own field names; the operator typed these flags.
 _FLAG_OF_FIELD = {
@@ -219,9 +221,26 @@ def run_loadgen(args: argparse.Namespace) -> int:
     """Run the load and print the report; 0 even when requests failed or were shed."""
     config = config_from_args(args)
     _check_output(args.json)
-    report = asyncio.run(run_load(config))
+
+    async def main() -> tuple[LoadReport, bool]:
+        # Ctrl-C ends the run early but still reports what was sent.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_signal_handler(signal.SIGINT, stop.set)
+        except (ValueError, RuntimeError, NotImplementedError):
+            # Not the main thread (an embedding program): it keeps its own handling.
+            return await run_load(config), False
+        try:
+            return await run_load(config, stop=stop), stop.is_set()
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+
+    report, interrupted = asyncio.run(main())
+    if interrupted:
+        sys.stderr.write("loadgen: interrupted; the report covers what was sent\n")
     if args.json != "-":
         sys.stdout.write(report.render() + "\n")
     if args.json is not None:
         write_json(report, args.json)
-    return 0
+    return EXIT_INTERRUPTED if interrupted else 0

@@ -7,25 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
-# Counters of requests an engine evicted and will recompute, summed over label sets.
-PREEMPTION_COUNTERS: tuple[str, ...] = (
-    "vllm:num_preemptions_total",
-    "sglang:num_retracted_requests_total",
-)
-# Gauges of KV-cache use (0-1; the highest label set counts) and of queued requests
-# (summed), in each engine's names; the first present wins.
-KV_USAGE_GAUGES: tuple[str, ...] = (
-    "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc",
-    "sglang:token_usage",
-)
-WAITING_GAUGES: tuple[str, ...] = (
-    "vllm:num_requests_waiting",
-    "sglang:num_queue_reqs",
-    "llamacpp:requests_deferred",
-)
+from kvguard.errors import ProbeError
+from kvguard.model.snapshot import EngineStats
+from kvguard.probes.engines import ADAPTERS, EngineScrape, detect_kind
 
 
 @dataclass(frozen=True)
@@ -174,26 +158,21 @@ class LoadReport:
         return "\n".join(lines)
 
 
-def series_in(text: str, names: tuple[str, ...], *, peak: bool) -> float | None:
-    """The first of ``names`` present in exposition ``text``, over its label sets.
+def engine_reading(text: str) -> EngineStats | None:
+    """The engine's figures in exposition ``text``, read by kvguard's own adapters.
 
-    The maximum when ``peak``, else the sum; None when none of the names is
-    present, or when the text does not parse (as for a missing endpoint).
+    None when the text is not exposition or comes from no engine kvguard knows (a
+    missing endpoint reads the same way). llama.cpp's KV use needs ``/slots``, so it
+    stays unknown here.
     """
-    found: dict[str, list[float]] = {}
     try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in names:
-                    found.setdefault(sample.name, []).append(sample.value)
-    except ValueError:
+        kind = detect_kind(text)
+        return None if kind is None else ADAPTERS[kind].parse(EngineScrape(text))
+    except ProbeError:
         return None
-    values = next((found[name] for name in names if name in found), None)
-    if values is None:
-        return None
-    return max(values) if peak else sum(values)
 
 
 def preemptions_in(text: str) -> float | None:
-    """The engine's preemption counter in ``text``, summed over label sets (None if absent)."""
-    return series_in(text, PREEMPTION_COUNTERS, peak=False)
+    """The engine's preemption counter in ``text`` (summed over engines), None if absent."""
+    reading = engine_reading(text)
+    return None if reading is None else reading.preemptions_total

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from kvguard.errors import InvalidInputError, KvguardError
-from kvguard.model.budget import BudgetInputs, plan_budget
+from kvguard.model.budget import budget_inputs_from, plan_budget
 from kvguard.model.units import dtype_bytes
 from kvguard.model_files import load_model_files
 from kvguard.sim.engine import SimEngine, TimeModel
@@ -80,15 +80,7 @@ def size_pool(spec: PoolSpec) -> SizedPool:
         files = load_model_files(spec.model)
         report = plan_budget(
             files.config,
-            BudgetInputs(
-                max_model_len=spec.max_model_len,
-                kv_cache_dtype=spec.kv_cache_dtype,
-                gpu_memory_bytes=spec.gpu_memory_bytes,
-                gpu_memory_utilization=spec.gpu_memory_utilization,
-                max_num_batched_tokens=spec.max_num_batched_tokens,
-                max_num_seqs=spec.max_num_seqs,
-                block_size=spec.block_size,
-            ),
+            budget_inputs_from(spec),
             index_total_size=files.index_total_size,
             source=files.source,
         )

@@ -117,7 +117,7 @@ class Histogram:
 
 
 @dataclass
-class EngineStats:
+class SimStats:
     """Everything the engine counts since start."""
 
     requests_total: int = 0

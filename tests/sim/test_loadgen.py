@@ -12,7 +12,10 @@ import io
 import itertools
 import json
 import math
+import signal
 import socket
+import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -532,3 +535,32 @@ def test_traffic_params_follow_the_config():
         "http://h:1", scale=0.5, max_context=100, priority_shares=PriorityShares(1, 0, 0)
     )
     assert config.traffic() == TrafficParams(60.0, 0.5, 100, PriorityShares(1, 0, 0))
+
+
+async def test_ctrl_c_ends_the_run_and_still_reports(sim_server):
+    """SIGINT stops sending at once; the partial report is printed and the exit code is 130."""
+    server = await sim_server(**ROOMY, per_token_s=0.001)
+    url = server.url
+    kvguard = str(Path(sys.executable).parent / "kvguard")
+    proc = await asyncio.create_subprocess_exec(
+        kvguard,
+        "loadgen",
+        "--url",
+        url,
+        "--pattern",
+        "decode_heavy",
+        "--duration",
+        "60",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    for _ in range(1000):  # until the engine is busy with its requests (10 s at most)
+        if server.engine.scheduler.running:
+            break
+        await asyncio.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 130
+    assert "interrupted" in err.decode()
+    assert "Traceback" not in err.decode()
+    assert out.decode().startswith("loadgen decode_heavy")
