@@ -5,18 +5,21 @@ and the policy's :class:`~kvguard.model.policy.GuardState`, runs the pure core
 (:mod:`kvguard.model.forecast`, :mod:`kvguard.model.pattern`,
 :mod:`kvguard.model.policy`) on each snapshot, and keeps an audit trail: the last
 50 decisions with their reasons, a count per action and mode, and one structured
-log event per level change and per action. Until actuators exist every decision is
-``dry_run``: computed, exported, logged and shown, never carried out.
+log event per level change and per action. Live (the default), each plan is put in
+force through :class:`~kvguard.actuators.mitigations.Mitigations`; with dry-run it is
+computed, exported, logged and shown, and nothing is blocked or changed.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import structlog
 
+from kvguard.actuators.mitigations import Mitigations
 from kvguard.config import Config
 from kvguard.model.forecast import Forecast, forecast
 from kvguard.model.pattern import PatternReading, PatternThresholds, classify
@@ -25,7 +28,7 @@ from kvguard.model.series import TickSample, tick_sample
 from kvguard.model.snapshot import Snapshot
 
 log = structlog.get_logger("kvguard.brain")
-Mode = Literal["dry_run", "applied"]
+Mode = Literal["dry_run", "applied", "not_applied"]
 DECISIONS_KEPT = 50
 
 
@@ -74,9 +77,13 @@ def action_dict(action: Action) -> dict[str, Any]:
 class Brain:
     """Runs forecast → pattern → policy on each snapshot and remembers what it decided."""
 
-    def __init__(self, config: Config, *, dry_run: bool = True) -> None:
+    def __init__(
+        self, config: Config, *, dry_run: bool = True, mitigations: Mitigations | None = None
+    ) -> None:
         self.config = config
         self.dry_run = dry_run
+        self.mitigations = mitigations or Mitigations()
+        self.mitigations.enforcing = not dry_run
         self.samples: deque[TickSample] = deque()
         self.guard = GuardState()
         self.forecast: Forecast | None = None
@@ -87,8 +94,8 @@ class Brain:
 
     @property
     def mode(self) -> Mode:
-        """``dry_run`` until actuators exist (and always with ``--dry-run``)."""
-        return "dry_run"
+        """``dry_run`` with ``--dry-run`` (or ``[policy] dry_run``), else ``applied``."""
+        return "dry_run" if self.dry_run else "applied"
 
     def reconfigure(self, config: Config) -> None:
         """Adopt a reloaded config; the history and the level are kept."""
@@ -109,11 +116,23 @@ class Brain:
         )
         self.guard = decision.state
         self.decision = decision
+        outcomes = self.mitigations.apply(decision.plan, decision.level, self._retry_after_s())
         if decision.plan or decision.level != decision.previous_level:
-            self._record(decision, wall_time)
+            self._record(decision, wall_time, [took for _, took in outcomes])
         return decision
 
-    def _record(self, decision: Decision, wall_time: float) -> None:
+    def _retry_after_s(self) -> int:
+        """Seconds until shed clients should retry: the excess demand over the drain rate."""
+        fc, policy = self.forecast, self.config.policy
+        fallback = int(policy.hold_s)
+        if fc is None or fc.kv.level is None or not fc.kv.capacity or not fc.drain_per_s:
+            return fallback
+        excess = fc.kv.level - (policy.high.kv_usage or 0.9) * fc.kv.capacity
+        if excess <= 0:
+            return 1
+        return max(1, min(120, math.ceil(excess / fc.drain_per_s)))
+
+    def _record(self, decision: Decision, wall_time: float, took: list[bool]) -> None:
         signals = {
             "kv_usage": decision.signals.kv_usage,
             "kv_demand": decision.signals.kv_demand,
@@ -143,11 +162,14 @@ class Brain:
                 crossed=list(decision.crossed),
                 **signals,
             )
-        for action in decision.plan:
-            self.counts[(action.kind, self.mode)] += 1
+        for action, applied in zip(decision.plan, took, strict=True):
+            # An action that did not take effect (no actuator yet, nothing to cancel) is
+            # never reported as applied.
+            mode = self.mode if (applied or self.dry_run) else "not_applied"
+            self.counts[(action.kind, mode)] += 1
             log.warning(
                 "decision",
-                mode=self.mode,
+                mode=mode,
                 level=decision.level,
                 pattern=decision.pattern,
                 crossed=list(decision.crossed),

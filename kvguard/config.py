@@ -130,6 +130,23 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class ProxyConfig:
+    """``[proxy]``: the admission proxy in front of the engine (off unless enabled)."""
+
+    enabled: bool = False
+    listen: str = "127.0.0.1:9000"
+    upstream: str | None = None  # default: [engine] url
+    priority_header: str = "X-Priority"
+    default_priority: str = "standard"
+    api_key_priorities: Mapping[str, str] = field(default_factory=dict, compare=False)
+    max_body_bytes: int = 16 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    min_completion_tokens: int = 16
+    fail_readiness_at: str = "critical"  # or "never": /readyz 503 while shedding at this level
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole validated configuration."""
 
@@ -142,6 +159,8 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     forecast: ForecastSettings = field(default_factory=ForecastSettings)
     pattern_window_s: float = 60.0
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    dry_run: bool = False
     source: str = "<defaults>"
 
     def redacted(self) -> dict[str, Any]:
@@ -170,6 +189,12 @@ class Config:
             "policy": _plain(self.policy),
             "forecast": _plain(self.forecast),
             "pattern": {"window_s": self.pattern_window_s},
+            "proxy": {
+                **{k: v for k, v in vars(self.proxy).items() if k != "api_key_priorities"},
+                # API keys are secrets: only how many are mapped is shown.
+                "api_key_priorities": f"{len(self.proxy.api_key_priorities)} keys",
+            },
+            "dry_run": self.dry_run,
         }
 
 
@@ -258,6 +283,25 @@ def _url(name: str, value: object) -> object:
     return value.strip().rstrip("/")
 
 
+def _bool(name: str, value: object) -> object:
+    if not isinstance(value, bool):
+        raise InvalidInputError(name, value, "must be true or false")
+    return value
+
+
+def _key_map(name: str, value: object) -> object:
+    allowed = 'must be a table of API key = "critical" | "standard" | "sheddable"'
+    if not isinstance(value, Mapping):
+        raise InvalidInputError(name, "<redacted>", allowed)
+    for key, priority in value.items():
+        if priority not in ("critical", "standard", "sheddable"):
+            # The key is a secret: name the class, never the key.
+            raise InvalidInputError(f"{name}.<key>", priority, allowed)
+        if not str(key).strip():
+            raise InvalidInputError(name, "<empty key>", allowed)
+    return {str(k): str(v) for k, v in value.items()}
+
+
 def _path_in_url(name: str, value: object) -> object:
     if not isinstance(value, str) or not value.startswith("/"):
         raise InvalidInputError(name, value, 'must be a path starting with "/"')
@@ -333,6 +377,7 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "fp8_revert_calm_s": _float(0.0, 604_800.0, low_open=False),
         "max_restarts_per_hour": _int(0, 60),
         "disabled_actions": _list_of(_choice(ACTION_KINDS)),
+        "dry_run": _bool,
     },
     **{
         f"policy.{level}": {
@@ -352,6 +397,19 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "min_rise_ratio_per_s": _float(0.0, 1.0, low_open=False),
     },
     "pattern": {"window_s": _float(0.0, 3600.0)},
+    "proxy": {
+        "enabled": _bool,
+        "listen": _listen,
+        "upstream": _url,
+        "priority_header": _text,
+        "default_priority": _choice(("critical", "standard", "sheddable")),
+        "api_key_priorities": _key_map,
+        "max_body_bytes": _size,
+        "connect_timeout_s": _float(0.0, 600.0),
+        "read_timeout_s": _float(0.0, 86_400.0),
+        "min_completion_tokens": _int(1),
+        "fail_readiness_at": _choice(("critical", "high", "never")),
+    },
 }
 _RENAMED = {("gpu", "memory"): "memory_bytes"}
 
@@ -405,6 +463,8 @@ def parse_config(
         policy=_policy(sections),
         forecast=_forecast(sections),
         pattern_window_s=float(sections["pattern"].get("window_s", 60.0)),  # type: ignore[arg-type]
+        proxy=ProxyConfig(**sections["proxy"]),  # type: ignore[arg-type]
+        dry_run=bool(sections["policy"].get("dry_run", False)),
         source=source,
     )
 
@@ -432,6 +492,9 @@ def _policy(sections: dict[str, dict[str, object]]) -> PolicyConfig:
     }
     options: dict[str, Any] = dict(sections["policy"])
     disabled: tuple[str, ...] = options.pop("disabled_actions", ())
+    options.pop(
+        "dry_run", None
+    )  # a daemon setting ([policy] is where operators look), not the ladder's
     cooldowns: dict[str, Any] = {**base.cooldowns_s, **sections["policy.cooldowns"]}
     return replace(
         base,

@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 
 from kvguard import __version__
+from kvguard.actuators.proxy import AdmissionProxy
 from kvguard.brain import Brain
 from kvguard.config import Config
 from kvguard.errors import KvguardError, ProbeError
@@ -165,6 +166,8 @@ class Daemon:
         self.clock = clock
         self.wall_clock = wall_clock
         self.brain = Brain(config, dry_run=dry_run)
+        self.mitigations = self.brain.mitigations
+        self.proxy: AdmissionProxy | None = None  # set by the server when [proxy] is enabled
         self.probes = probes or Probes.from_config(config)
         self.state = DaemonState(started_at=clock())
         self.state.trackers = {name: ProbeTracker(p) for name, p in self.probes.all().items()}

@@ -15,6 +15,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.config import Config, config_for_engine, load_config
 from kvguard.daemon import Daemon, budget_for
 from kvguard.errors import ConfigError, KvguardError
@@ -39,7 +40,9 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     )
     run.add_argument("--config", metavar="FILE", help="TOML config (default: $KVGUARD_CONFIG)")
     run.add_argument(
-        "--dry-run", action="store_true", help="decide and report, never act (no actions exist yet)"
+        "--dry-run",
+        action="store_true",
+        help="decide, count and report every action; block or change nothing",
     )
     run.set_defaults(handler=run_daemon)
 
@@ -90,15 +93,20 @@ def run_daemon(args: argparse.Namespace) -> int:
 async def serve(config: Config, *, config_path: str | None, dry_run: bool = False) -> int:
     """The daemon and its HTTP API; SIGHUP reloads ``config_path``."""
     notifier = SystemdNotifier.from_environment()
-    daemon = Daemon(config, dry_run=dry_run)
-    runner = web.AppRunner(build_app(daemon), access_log=None)
-    await runner.setup()
+    daemon = Daemon(config, dry_run=dry_run or config.dry_run)
+    runners = []
     try:
-        await web.TCPSite(runner, config.server.host, config.server.port).start()
-    except OSError as exc:
-        await runner.cleanup()
+        runners.append(await listen(build_app(daemon), config.server.listen))
+        if config.proxy.enabled:
+            daemon.proxy = make_proxy(config, daemon)
+            # handler_cancellation: a client that leaves cancels its handler, which
+            # closes the upstream connection, which makes the engine abort the request.
+            runners.append(await listen(daemon.proxy.app(), config.proxy.listen, cancel=True))
+    except KvguardError:
+        for runner in runners:
+            await runner.cleanup()
         await daemon.close()
-        raise KvguardError(f"cannot listen on {config.server.listen}: {exc.strerror}") from exc
+        raise
     watchdog = notifier.watchdog_interval_s
     slowest_tick = config.poll.interval_s + config.poll.timeout_s
     if watchdog is not None and slowest_tick >= watchdog:
@@ -123,7 +131,11 @@ async def serve(config: Config, *, config_path: str | None, dry_run: bool = Fals
             started = True
             notifier.ready(f"watching {daemon.config.engine.url}")
             log.info(
-                "started", listen=config.server.listen, engine=config.engine.url, dry_run=dry_run
+                "started",
+                listen=config.server.listen,
+                proxy=config.proxy.listen if config.proxy.enabled else None,
+                engine=config.engine.url,
+                dry_run=daemon.dry_run,
             )
         notifier.watchdog()
 
@@ -131,10 +143,43 @@ async def serve(config: Config, *, config_path: str | None, dry_run: bool = Fals
         await daemon.run(stop, after_tick=after_tick)
     finally:
         notifier.stopping()
-        await runner.cleanup()
+        for runner in reversed(runners):
+            await runner.cleanup()
         await daemon.close()
         log.info("stopped")
     return 0
+
+
+async def listen(app: web.Application, address: str, *, cancel: bool = False) -> web.AppRunner:
+    """Serve ``app`` on ``HOST:PORT``; a busy port is one clear error."""
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=cancel)
+    await runner.setup()
+    host, _, port = address.rpartition(":")
+    try:
+        await web.TCPSite(runner, host.strip("[]"), int(port)).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise KvguardError(f"cannot listen on {address}: {exc.strerror}") from exc
+    return runner
+
+
+def make_proxy(config: Config, daemon: Daemon) -> AdmissionProxy:
+    """The admission proxy for ``config``, acting on the daemon's mitigations."""
+    proxy = config.proxy
+    budget = daemon.state.budget
+    settings = ProxySettings(
+        upstream=proxy.upstream or config.engine.url,
+        listen=proxy.listen,
+        priority_header=proxy.priority_header,
+        default_priority=proxy.default_priority,
+        api_key_priorities=proxy.api_key_priorities,
+        max_body_bytes=proxy.max_body_bytes,
+        connect_timeout_s=proxy.connect_timeout_s,
+        read_timeout_s=proxy.read_timeout_s,
+        min_completion_tokens=proxy.min_completion_tokens,
+    )
+    per_token = budget.budget.kv_bytes_per_token_per_gpu if budget is not None else None
+    return AdmissionProxy(settings, daemon.mitigations, bytes_per_token=per_token)
 
 
 def _reload(daemon: Daemon, path: str, notifier: SystemdNotifier) -> None:

@@ -8,15 +8,18 @@ bearer token.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvguard.actuators.mitigations import request_priority
 from kvguard.brain import action_dict
 from kvguard.budget_report import budget_to_dict
 from kvguard.daemon import Daemon
+from kvguard.model.policy import LEVELS
 from kvguard.telemetry import daemon_registry
 
 DAEMON_KEY = web.AppKey("daemon", Daemon)
@@ -39,6 +42,8 @@ def build_app(daemon: Daemon) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)
+    app.router.add_route("GET", "/admission", admission)
+    app.router.add_route("POST", "/admission", admission)
     return app
 
 
@@ -75,7 +80,51 @@ async def readyz(request: web.Request) -> web.Response:
         return web.json_response(
             {"status": "not ready", "reason": "engine reports unhealthy"}, status=503
         )
+    shedding = _shedding_at_readiness_level(daemon)
+    if shedding:
+        return web.json_response({"status": "not ready", "reason": shedding}, status=503)
     return web.json_response({"status": "ready"})
+
+
+def _shedding_at_readiness_level(daemon: Daemon) -> str | None:
+    """Why readiness fails for load shedding, or None: shedding at the configured level."""
+    mitigations, at = daemon.mitigations, daemon.config.proxy.fail_readiness_at
+    if at == "never" or not mitigations.enforcing or mitigations.shed_floor is None:
+        return None
+    if LEVELS.index(mitigations.level) < LEVELS.index(at):
+        return None
+    return f"shedding at {mitigations.level}: route new traffic elsewhere"
+
+
+async def admission(request: web.Request) -> web.Response:
+    """GET|POST /admission: 200 to admit, 429 + Retry-After to deny, for the request's priority.
+
+    For gateways that enforce kvguard's decisions themselves (Envoy ext_authz,
+    nginx auth_request): the priority comes from the same header or API-key map
+    as the proxy's.
+    """
+    daemon = request.app[DAEMON_KEY]
+    priority = priority_of(daemon, request.headers)
+    mitigations = daemon.mitigations
+    headers = {"X-Kvguard-Priority": priority, "X-Kvguard-Level": mitigations.level}
+    if mitigations.sheds(priority):
+        headers["Retry-After"] = str(mitigations.retry_after_s)
+        return web.json_response(
+            {"allowed": False, "priority": priority, "level": mitigations.level},
+            status=429,
+            headers=headers,
+        )
+    return web.json_response(
+        {"allowed": True, "priority": priority, "level": mitigations.level}, headers=headers
+    )
+
+
+def priority_of(daemon: Daemon, headers: Mapping[str, str]) -> str:
+    """A request's priority class, by the proxy's rules (API-key map, header, default)."""
+    proxy = daemon.config.proxy
+    return request_priority(
+        headers, proxy.priority_header, proxy.api_key_priorities, proxy.default_priority
+    )
 
 
 def status_document(daemon: Daemon) -> dict[str, Any]:
@@ -109,6 +158,14 @@ def status_document(daemon: Daemon) -> dict[str, Any]:
         "budget": budget,
         "budget_error": state.budget_error,
         "pressure": _pressure(daemon),
+        "mitigations": {
+            "enforcing": daemon.mitigations.enforcing,
+            "shed_floor": daemon.mitigations.shed_floor,
+            "max_prompt_tokens": daemon.mitigations.max_prompt_tokens,
+            "max_tokens": daemon.mitigations.max_tokens,
+            "retry_after_s": daemon.mitigations.retry_after_s,
+        },
+        "proxy": _proxy(daemon),
         "reconciliation": None
         if rec is None
         else {
@@ -149,6 +206,32 @@ def _pressure(daemon: Daemon) -> dict[str, Any] | None:
         },
         "active": [action_dict(a) for a in decision.state.active.values()],
         "decisions": [record.as_dict() for record in reversed(brain.decisions)],
+    }
+
+
+def _proxy(daemon: Daemon) -> dict[str, Any] | None:
+    proxy = daemon.proxy
+    if proxy is None:
+        return None
+    per_token = proxy.bytes_per_token
+    return {
+        "listen": proxy.settings.listen,
+        "upstream": proxy.settings.upstream,
+        "inflight_requests": len(proxy.inflight),
+        "inflight_kv_tokens": proxy.inflight.total_tokens,
+        # Ids and sizes only: prompt text never leaves the request path.
+        "top_inflight": [
+            {
+                "request_id": r.request_id,
+                "priority": r.priority,
+                "prompt_tokens": r.prompt_tokens,
+                "generated_tokens": r.generated,
+                "kv_tokens": r.footprint_tokens,
+                "projected_kv_tokens": r.projected_tokens,
+                "kv_bytes": r.footprint_tokens * per_token if per_token else None,
+            }
+            for r in proxy.inflight.top(10)
+        ],
     }
 
 

@@ -14,7 +14,12 @@ import sys
 from collections.abc import Iterator
 
 import structlog
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvguard.daemon import Daemon
@@ -43,6 +48,7 @@ class DaemonCollector(Collector):
         yield from self._engine_metrics()
         yield from self._budget_metrics()
         yield from self._brain_metrics()
+        yield from self._proxy_metrics()
 
     def _self_metrics(self) -> Iterator[Metric]:
         state = self.daemon.state
@@ -270,6 +276,66 @@ class DaemonCollector(Collector):
             for kind in TRAFFIC_PATTERNS:
                 family.add_metric([kind], 1.0 if kind == pattern.pattern else 0.0)
             yield family
+
+    def _proxy_metrics(self) -> Iterator[Metric]:
+        proxy = self.daemon.proxy
+        if proxy is None:
+            return
+        inflight, counters = proxy.inflight, proxy.counters
+        yield GaugeMetricFamily(
+            "kvguard_inflight_requests",
+            "Requests in flight through the proxy.",
+            value=len(inflight),
+        )
+        tokens = inflight.total_tokens
+        yield GaugeMetricFamily(
+            "kvguard_inflight_kv_tokens", "KV tokens held by requests in flight.", value=tokens
+        )
+        if proxy.bytes_per_token is not None:
+            yield GaugeMetricFamily(
+                "kvguard_inflight_kv_bytes",
+                "KV bytes per GPU held by requests in flight.",
+                value=tokens * proxy.bytes_per_token,
+            )
+        for name, doc, hist in (
+            (
+                "kvguard_request_kv_tokens",
+                "KV tokens a request held at its end.",
+                inflight.kv_tokens,
+            ),
+            ("kvguard_request_prompt_tokens", "Prompt tokens per request.", inflight.prompt_tokens),
+        ):
+            family = HistogramMetricFamily(name, doc)
+            family.add_metric([], hist.cumulative(), sum_value=hist.total)
+            yield family
+        shed = CounterMetricFamily(
+            "kvguard_requests_shed", "Requests shed by the proxy.", labels=["priority", "reason"]
+        )
+        for (priority, reason), count in sorted(counters.shed.items()):
+            shed.add_metric([priority, reason], count)
+        yield shed
+        yield CounterMetricFamily(
+            "kvguard_requests_clamped",
+            "Requests whose max_tokens was lowered.",
+            value=counters.clamped,
+        )
+        rejected = CounterMetricFamily(
+            "kvguard_requests_rejected", "Requests refused by the window cap.", labels=["reason"]
+        )
+        for reason, count in sorted(counters.rejected.items()):
+            rejected.add_metric([reason], count)
+        yield rejected
+        yield CounterMetricFamily(
+            "kvguard_requests_cancelled",
+            "Requests cancelled to free KV cache.",
+            value=counters.cancelled,
+        )
+        errors = CounterMetricFamily(
+            "kvguard_proxy_errors", "Proxy answers of its own: 413, 502, 504.", labels=["code"]
+        )
+        for code, count in sorted(counters.upstream_errors.items()):
+            errors.add_metric([code], count)
+        yield errors
 
 
 def daemon_registry(daemon: Daemon) -> CollectorRegistry:

@@ -129,7 +129,8 @@ def test_the_shipped_example_is_valid_and_documents_every_key():
     for section, keys in _SCHEMA.items():
         assert f"[{section}]" in text
         for key in keys:
-            assert re.search(rf"^#? ?{key} = ", text, re.MULTILINE), f"{section}.{key}"
+            documented = rf"^#? ?{key} = |^\[{re.escape(section)}\.{key}\]"
+            assert re.search(documented, text, re.MULTILINE), f"{section}.{key}"
 
 
 def test_check_config_cli_lists_every_problem(tmp_path):

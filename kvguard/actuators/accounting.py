@@ -1,0 +1,122 @@
+"""Per-request KV accounting: what each in-flight request holds in the cache.
+
+Engines do not say which request holds how much cache; the proxy does: the prompt's
+tokens (from the engine's ``/tokenize`` when it answers quickly, else a conservative
+estimate), plus the tokens generated so far. A request's *footprint* is prompt +
+generated tokens; its *projection* is prompt + ``max_tokens``. Bytes are tokens x
+the budget's KV bytes per token per GPU, when a budget is configured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvguard.sim.stats import TOKEN_BUCKETS, Histogram
+
+# Real tokenizers average ~4 bytes of English per token; 3 overestimates the prompt,
+# which is the safe side when the question is "will it fit".
+ESTIMATE_BYTES_PER_TOKEN = 3
+CHAT_TOKENS_PER_MESSAGE = 8  # role markers and separators of a chat template, generously
+
+
+def estimate_tokens(text: str) -> int:
+    """A conservative token count for ``text`` when the engine cannot tokenize it."""
+    return max(1, math.ceil(len(text.encode("utf-8")) / ESTIMATE_BYTES_PER_TOKEN))
+
+
+def estimate_chat_tokens(messages: list[object]) -> int:
+    """A conservative token count for chat messages, template included."""
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):  # OpenAI content parts: the text ones count
+            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        total += CHAT_TOKENS_PER_MESSAGE + (estimate_tokens(str(content)) if content else 0)
+    return total + CHAT_TOKENS_PER_MESSAGE
+
+
+class TokenCache:
+    """A small LRU cache of prompt → token count (by hash; prompts are never kept)."""
+
+    def __init__(self, size: int = 2048) -> None:
+        self._items: OrderedDict[int, int] = OrderedDict()
+        self._size = size
+
+    def get(self, key: int) -> int | None:
+        """The cached count, refreshed as most recent."""
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        return None
+
+    def put(self, key: int, count: int) -> None:
+        """Remember a count, dropping the oldest beyond the size."""
+        self._items[key] = count
+        self._items.move_to_end(key)
+        while len(self._items) > self._size:
+            self._items.popitem(last=False)
+
+
+@dataclass(eq=False)
+class InflightRequest:
+    """One request passing through the proxy to the engine."""
+
+    request_id: str
+    priority: str
+    prompt_tokens: int
+    max_tokens: int | None
+    generated: int = 0
+    cancel: Callable[[], None] | None = field(default=None, repr=False)
+    cancelled: bool = False
+
+    @property
+    def footprint_tokens(self) -> int:
+        """Tokens this request holds in the cache now."""
+        return self.prompt_tokens + self.generated
+
+    @property
+    def projected_tokens(self) -> int:
+        """Tokens it will hold at the end (prompt + max_tokens when known)."""
+        return self.prompt_tokens + max(self.max_tokens or 0, self.generated)
+
+
+class Inflight:
+    """The registry of in-flight requests and the size histograms."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, InflightRequest] = {}
+        self.kv_tokens = Histogram(TOKEN_BUCKETS)  # footprint at the end of each request
+        self.prompt_tokens = Histogram(TOKEN_BUCKETS)
+
+    def __iter__(self) -> Iterator[InflightRequest]:
+        return iter(list(self._requests.values()))
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, request: InflightRequest) -> None:
+        """Start accounting a request."""
+        self._requests[request.request_id] = request
+        self.prompt_tokens.observe(request.prompt_tokens)
+
+    def done(self, request: InflightRequest) -> None:
+        """Stop accounting a request and record its final size."""
+        if self._requests.pop(request.request_id, None) is not None:
+            self.kv_tokens.observe(request.footprint_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens all in-flight requests hold now."""
+        return sum(r.footprint_tokens for r in self._requests.values())
+
+    def largest(self, *, spare: str = "critical") -> InflightRequest | None:
+        """The request with the largest footprint, ``spare`` priority excluded."""
+        candidates = [r for r in self._requests.values() if r.priority != spare and not r.cancelled]
+        return max(candidates, key=lambda r: r.footprint_tokens, default=None)
+
+    def top(self, n: int = 10) -> list[InflightRequest]:
+        """The ``n`` largest in-flight requests by footprint."""
+        return sorted(self._requests.values(), key=lambda r: r.footprint_tokens, reverse=True)[:n]

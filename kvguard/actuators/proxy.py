@@ -1,0 +1,458 @@
+"""The admission proxy: kvguard in the request path, in front of one engine.
+
+Every request to ``listen`` is forwarded to the one configured upstream — same
+method, path, query, body and headers (hop-by-hop ones excepted), with an
+``X-Request-Id`` added when missing — and the answer comes back unchanged, streams
+chunk by chunk. Generation requests (``/v1/completions``, ``/v1/chat/completions``)
+are also accounted (their KV footprint) and subject to the mitigations in force:
+shed by priority (503 + ``Retry-After``), capped (``max_tokens`` clamped, or 400 when
+even the minimum does not fit), or cancelled when the largest. Health, metrics and
+model-list paths pass untouched. The proxy never talks to any host but its upstream:
+the target is always ``upstream + path``, and redirects are not followed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvguard.actuators.accounting import (
+    Inflight,
+    InflightRequest,
+    TokenCache,
+    estimate_chat_tokens,
+    estimate_tokens,
+)
+from kvguard.actuators.mitigations import Mitigations, request_priority
+
+log = structlog.get_logger("kvguard.proxy")
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# RFC 9110 section 7.6.1: these describe one connection and must not be forwarded.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+TOKENIZE_TIMEOUT_S = 0.25
+USAGE_SCAN_BYTES = 1024 * 1024  # whole answers are read for `usage` up to this size
+CANCEL_MESSAGE = (
+    "kvguard cancelled this request to free KV cache for others (the cache is full); retry later"
+)
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """``[proxy]``: where to listen, where to forward, how to classify and limit."""
+
+    upstream: str
+    listen: str = "127.0.0.1:9000"
+    priority_header: str = "X-Priority"
+    default_priority: str = "standard"
+    api_key_priorities: Mapping[str, str] | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    min_completion_tokens: int = 16
+
+
+class ProxyCounters:
+    """What the proxy did, for the exporter."""
+
+    def __init__(self) -> None:
+        self.shed: Counter[tuple[str, str]] = Counter()  # (priority, reason)
+        self.clamped = 0
+        self.rejected: Counter[str] = Counter()  # reason
+        self.cancelled = 0
+        self.upstream_errors: Counter[str] = Counter()  # 502/504/413
+
+
+class AdmissionProxy:
+    """The proxy's state and handlers; ``app()`` is the aiohttp application."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        mitigations: Mitigations,
+        *,
+        bytes_per_token: float | None = None,
+    ) -> None:
+        self.settings = settings
+        self.mitigations = mitigations
+        self.inflight = Inflight()
+        self.counters = ProxyCounters()
+        self.bytes_per_token = bytes_per_token
+        self._tokens = TokenCache()
+        self._tokenize_ok = True
+        self._session: aiohttp.ClientSession | None = None
+        self._upstream = settings.upstream.rstrip("/")
+        mitigations.cancel_largest = self.cancel_largest
+
+    def app(self) -> web.Application:
+        """The application: every path, every method, forwarded."""
+        app = web.Application(client_max_size=self.settings.max_body_bytes)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _close(self, _: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled keep-alive session to the upstream (created on first use)."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(
+                    sock_connect=self.settings.connect_timeout_s,
+                    sock_read=self.settings.read_timeout_s,
+                ),
+                auto_decompress=False,  # bytes pass through as the engine sent them
+                trust_env=False,  # never an HTTP_PROXY from the environment
+            )
+        return self._session
+
+    # ------------------------------------------------------------------ the request path
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Forward one request, applying the mitigations to generation requests."""
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.counters.upstream_errors["413"] += 1
+            return _error(
+                413, f"request body over {self.settings.max_body_bytes} bytes", "request_too_large"
+            )
+        headers = _forward_headers(request.headers)
+        request_id = headers.get("X-Request-Id") or uuid.uuid4().hex
+        headers["X-Request-Id"] = request_id
+        tracked: InflightRequest | None = None
+        if request.method == "POST" and request.path in GENERATION_PATHS:
+            decided = await self._admit(request, body, request_id)
+            if isinstance(decided, web.StreamResponse):
+                return decided
+            body, tracked = decided
+        return await self._forward(request, headers, body, tracked)
+
+    async def _admit(
+        self, request: web.Request, body: bytes, request_id: str
+    ) -> web.StreamResponse | tuple[bytes, InflightRequest | None]:
+        priority = self.priority_of(request.headers)
+        if self.mitigations.sheds(priority):
+            self.counters.shed[(priority, "kv_cache_pressure")] += 1
+            log.info(
+                "request_shed",
+                request_id=request_id,
+                priority=priority,
+                level=self.mitigations.level,
+            )
+            return _error(
+                503,
+                f"kvguard is shedding {priority} traffic: the KV cache is under pressure"
+                f" ({self.mitigations.level}); retry after {self.mitigations.retry_after_s} s",
+                "server_overloaded",
+                code="kv_cache_pressure",
+                headers={"Retry-After": str(self.mitigations.retry_after_s)},
+            )
+        try:
+            payload = json.loads(body) if body else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return body, None  # the engine answers malformed bodies itself
+        if not isinstance(payload, dict):
+            return body, None
+        chat = request.path == "/v1/chat/completions"
+        prompt = await self.prompt_tokens(payload, chat=chat)
+        key = (
+            "max_completion_tokens" if chat and "max_completion_tokens" in payload else "max_tokens"
+        )
+        requested = payload.get(key)
+        max_tokens = (
+            requested if isinstance(requested, int) and not isinstance(requested, bool) else None
+        )
+        prompt_cap, completion_cap = self.mitigations.window
+        if prompt_cap is not None and prompt > prompt_cap:
+            self.counters.rejected["prompt_over_window"] += 1
+            return _error(
+                400,
+                f"prompt of {prompt} tokens is over kvguard's current limit of {prompt_cap}"
+                " tokens (the KV cache is under pressure); shorten it or retry later",
+                "invalid_request_error",
+                code="kv_window_exceeded",
+            )
+        if completion_cap is not None:
+            cap = completion_cap
+            room = max(cap - prompt, 0) if prompt_cap is not None else cap
+            if room < self.settings.min_completion_tokens:
+                self.counters.rejected["no_room_for_completion"] += 1
+                return _error(
+                    400,
+                    f"prompt of {prompt} tokens leaves less than"
+                    f" {self.settings.min_completion_tokens} tokens under kvguard's current"
+                    f" limit of {cap} tokens (the KV cache is under pressure);"
+                    " shorten it or retry later",
+                    "invalid_request_error",
+                    code="kv_window_exceeded",
+                )
+            if max_tokens is None or max_tokens > room:
+                payload[key] = room
+                max_tokens = room
+                self.counters.clamped += 1
+                body = json.dumps(payload).encode()
+        tracked = InflightRequest(
+            request_id, priority, prompt, max_tokens if max_tokens is not None else None
+        )
+        return body, tracked
+
+    def priority_of(self, headers: Mapping[str, str]) -> str:
+        """The request's class: from the API-key map, else the header, else the default."""
+        settings = self.settings
+        return request_priority(
+            headers,
+            settings.priority_header,
+            settings.api_key_priorities,
+            settings.default_priority,
+        )
+
+    async def prompt_tokens(self, payload: dict[str, Any], *, chat: bool) -> int:
+        """The prompt's tokens: the engine's /tokenize (cached, bounded), else an estimate."""
+        subject: object = payload.get("messages") if chat else payload.get("prompt")
+        if (
+            isinstance(subject, list)
+            and not chat
+            and subject
+            and all(isinstance(t, int) for t in subject)
+        ):
+            return len(subject)  # already token ids
+        text = json.dumps(subject, sort_keys=True)
+        key = hash(text)
+        cached = self._tokens.get(key)
+        if cached is not None:
+            return cached
+        count = await self._tokenize(payload, chat=chat)
+        if count is None:
+            if chat and isinstance(subject, list):
+                count = estimate_chat_tokens(subject)
+            else:
+                count = estimate_tokens(subject if isinstance(subject, str) else text)
+        self._tokens.put(key, count)
+        return count
+
+    async def _tokenize(self, payload: dict[str, Any], *, chat: bool) -> int | None:
+        if not self._tokenize_ok:
+            return None
+        query: dict[str, Any] = (
+            {"messages": payload.get("messages")} if chat else {"prompt": payload.get("prompt")}
+        )
+        if "model" in payload:
+            query["model"] = payload["model"]
+        try:
+            async with self.session().post(
+                self._upstream + "/tokenize",
+                json=query,
+                timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S),
+                allow_redirects=False,
+            ) as resp:
+                if resp.status == 404:
+                    self._tokenize_ok = False  # this engine has none: estimate from now on
+                    return None
+                if resp.status != 200:
+                    return None
+                data = await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ValueError):
+            return None
+        count = data.get("count") if isinstance(data, dict) else None
+        if isinstance(count, int):
+            return count
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        return len(tokens) if isinstance(tokens, list) else None
+
+    async def _forward(
+        self,
+        request: web.Request,
+        headers: CIMultiDict[str],
+        body: bytes,
+        tracked: InflightRequest | None,
+    ) -> web.StreamResponse:
+        url = self._upstream + request.rel_url.raw_path_qs  # only ever the upstream host
+        upstream: aiohttp.ClientResponse | None = None
+        if tracked is not None:
+            self.inflight.add(tracked)
+        try:
+            try:
+                upstream = await self.session().request(
+                    request.method, url, headers=headers, data=body or None, allow_redirects=False
+                )
+            except (asyncio.TimeoutError, TimeoutError):
+                self.counters.upstream_errors["504"] += 1
+                return _error(504, "the engine did not answer in time", "upstream_timeout")
+            except aiohttp.ClientError as exc:
+                self.counters.upstream_errors["502"] += 1
+                return _error(
+                    502, f"the engine is unreachable: {type(exc).__name__}", "upstream_unreachable"
+                )
+            if tracked is not None:
+                tracked.cancel = upstream.close
+            return await self._relay(request, upstream, tracked)
+        finally:
+            if upstream is not None:
+                # A body not read to its end means our client left or we cancelled:
+                # closing the connection is what makes the engine abort the request.
+                if upstream.content.at_eof():
+                    upstream.release()
+                else:
+                    upstream.close()
+            if tracked is not None:
+                self.inflight.done(tracked)
+
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        tracked: InflightRequest | None,
+    ) -> web.StreamResponse:
+        streaming = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        first = b""
+        if not streaming:
+            # A whole answer arrives at once: wait for it before sending the status, so a
+            # cancellation can still answer 503 instead of a truncated 200.
+            try:
+                first = await upstream.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError):
+                if tracked is not None and tracked.cancelled:
+                    return _error(
+                        503, CANCEL_MESSAGE, "server_overloaded", code="kv_cache_pressure"
+                    )
+                self.counters.upstream_errors["502"] += 1
+                return _error(502, "the engine closed the connection", "upstream_error")
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for name, value in upstream.headers.items():
+            if name.lower() not in HOP_BY_HOP:
+                response.headers.add(name, value)
+        if "Content-Length" in upstream.headers:
+            response.content_length = int(upstream.headers["Content-Length"])
+        await response.prepare(request)
+        kept = bytearray(first[:USAGE_SCAN_BYTES])
+        tail = b""
+        try:
+            if first:
+                await response.write(first)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+                if tracked is not None and streaming:
+                    tail = _count_events(tracked, tail + chunk)
+                elif len(kept) < USAGE_SCAN_BYTES:
+                    kept += chunk[: USAGE_SCAN_BYTES - len(kept)]
+        except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError) as exc:
+            if streaming and tracked is not None and tracked.cancelled:
+                await _stream_error(response, CANCEL_MESSAGE, code="kv_cache_pressure")
+            elif streaming:
+                await _stream_error(response, f"the engine stream broke: {type(exc).__name__}")
+            return response
+        except ConnectionResetError:
+            return response  # our client went away; closing upstream aborts the request
+        if tracked is not None and not streaming:
+            _count_usage(tracked, bytes(kept))
+        await response.write_eof()
+        return response
+
+    # ------------------------------------------------------------------ actions
+    def cancel_largest(self) -> bool:
+        """Cut the upstream connection of the largest non-critical request.
+
+        Engines abort a request whose client went away, which frees its blocks.
+        """
+        victim = self.inflight.largest()
+        if victim is None or victim.cancel is None:
+            return False
+        victim.cancelled = True
+        victim.cancel()
+        self.counters.cancelled += 1
+        log.warning(
+            "request_cancelled",
+            request_id=victim.request_id,
+            priority=victim.priority,
+            kv_tokens=victim.footprint_tokens,
+        )
+        return True
+
+
+def _forward_headers(incoming: Mapping[str, str]) -> CIMultiDict[str]:
+    named = {h.strip().lower() for h in incoming.get("Connection", "").split(",") if h.strip()}
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        lower = name.lower()
+        if lower not in HOP_BY_HOP and lower not in named:
+            out.add(name, value)
+    return out
+
+
+def _count_events(tracked: InflightRequest, data: bytes) -> bytes:
+    """Count generated tokens from whole SSE events; return the incomplete tail."""
+    *events, tail = data.split(b"\n\n")
+    for event in events:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            try:
+                chunk = json.loads(line[5:])
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            usage = chunk.get("usage") if isinstance(chunk, dict) else None
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                tracked.generated = usage["completion_tokens"]
+            elif isinstance(chunk, dict) and chunk.get("choices"):
+                tracked.generated += 1  # one token per content chunk, as engines stream
+    return tail
+
+
+def _count_usage(tracked: InflightRequest, body: bytes) -> None:
+    """Completion tokens from a whole answer's ``usage`` (when the body parses)."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return
+    usage = data.get("usage") if isinstance(data, dict) else None
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        tracked.generated = usage["completion_tokens"]
+
+
+async def _stream_error(
+    response: web.StreamResponse, message: str, code: str = "upstream_error"
+) -> None:
+    payload = {"error": {"message": message, "type": "server_overloaded", "code": code}}
+    try:
+        await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+        await response.write_eof()
+    except ConnectionResetError:
+        return
+
+
+def _error(
+    status: int,
+    message: str,
+    kind: str,
+    *,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
+    """An OpenAI-style error answer."""
+    body = {"error": {"message": message, "type": kind, "code": code or kind}}
+    return web.json_response(body, status=status, headers=headers)

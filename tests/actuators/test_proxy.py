@@ -1,0 +1,336 @@
+"""The admission proxy between real clients and real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import socket
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvguard.actuators.mitigations import Mitigations
+from kvguard.actuators.proxy import AdmissionProxy, ProxySettings, _error
+from kvguard.model.policy import Action
+
+
+def free_port() -> int:
+    """A port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+async def serve():
+    """Serve aiohttp apps on free loopback ports; clean up after the test."""
+    runners = []
+
+    async def start(app: web.Application, *, cancel: bool = False) -> str:
+        runner = web.AppRunner(app, handler_cancellation=cancel)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in reversed(runners):
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def proxy_to(serve):
+    """A proxy in front of ``upstream``: returns (proxy URL, proxy object)."""
+
+    async def start(upstream: str, mitigations: Mitigations | None = None, **settings):
+        proxy = AdmissionProxy(
+            ProxySettings(upstream=upstream, **settings), mitigations or Mitigations()
+        )
+        return await serve(proxy.app(), cancel=True), proxy
+
+    return start
+
+
+@pytest.fixture
+async def echo(serve):
+    """An upstream that records each request and answers deterministic bytes."""
+    seen: list[dict] = []
+    go = asyncio.Event()
+
+    async def record(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        seen.append(
+            {
+                "method": request.method,
+                "path": request.rel_url.raw_path_qs,
+                "headers": request.headers.copy(),
+                "body": body,
+            }
+        )
+        if request.path == "/stream":
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+            await asyncio.wait_for(go.wait(), 5)  # the client must see chunk 1 first
+            await response.write(b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n')
+            await response.write_eof()
+            return response
+        if request.path == "/gzip":
+            return web.Response(body=gzip.compress(b"hello"), headers={"Content-Encoding": "gzip"})
+        if request.path == "/slow":
+            await asyncio.sleep(5)
+        return web.Response(
+            status=418,
+            body=b"\x00\x01binary\xff" + body,
+            headers={"X-Upstream": "yes", "Content-Type": "application/octet-stream"},
+        )
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", record)
+    url = await serve(app)
+    return url, seen, go
+
+
+async def test_requests_pass_through_unchanged(echo, proxy_to):
+    """Method, path, query, body, status, headers and bytes pass; hop-by-hop headers do not."""
+    upstream, seen, _ = echo
+    proxy, _ = await proxy_to(upstream)
+    async with aiohttp.ClientSession(auto_decompress=False) as http:
+        async with http.put(
+            f"{proxy}/any/path?x=1&y=%20z",
+            data=b"\x10\x20payload",
+            headers={
+                "X-Custom": "v",
+                "Connection": "keep-alive, X-Drop",
+                "X-Drop": "gone",
+                "Keep-Alive": "timeout=5",
+            },
+        ) as resp:
+            body = await resp.read()
+            assert resp.status == 418
+            assert resp.headers["X-Upstream"] == "yes"
+        async with http.get(f"{proxy}/gzip") as resp:
+            assert await resp.read() == gzip.compress(b"hello")  # not decompressed on the way
+    assert body == b"\x00\x01binary\xff\x10\x20payload"
+    request = seen[0]
+    assert (request["method"], request["path"], request["body"]) == (
+        "PUT",
+        "/any/path?x=1&y=%20z",
+        b"\x10\x20payload",
+    )
+    assert request["headers"]["X-Custom"] == "v"
+    assert "X-Drop" not in request["headers"]
+    assert "Keep-Alive" not in request["headers"]
+    assert len(request["headers"]["X-Request-Id"]) == 32
+
+
+async def test_request_id_is_kept_when_given(echo, proxy_to):
+    """A client's X-Request-Id is forwarded as is."""
+    upstream, seen, _ = echo
+    proxy, _ = await proxy_to(upstream)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{proxy}/x", headers={"X-Request-Id": "abc"}),
+    ):
+        pass
+    assert seen[0]["headers"]["X-Request-Id"] == "abc"
+
+
+async def test_paths_never_change_the_host(echo, proxy_to):
+    """A path that looks like another host still goes to the upstream, as a path."""
+    upstream, seen, _ = echo
+    proxy, _ = await proxy_to(upstream)
+    async with aiohttp.ClientSession() as http, http.get(f"{proxy}//127.0.0.2:1/x") as resp:
+        assert resp.status == 418
+    assert seen[0]["path"] == "//127.0.0.2:1/x"
+
+
+async def test_streams_pass_chunk_by_chunk(echo, proxy_to):
+    """SSE chunks reach the client as they are sent (the upstream waits for the client)."""
+    upstream, _, go = echo
+    proxy, _ = await proxy_to(upstream)
+    async with aiohttp.ClientSession() as http, http.post(f"{proxy}/stream") as resp:
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 3)
+        assert first == b'data: {"choices": [{"text": "a"}]}\n\n'
+        go.set()
+        rest = await asyncio.wait_for(resp.content.read(), 3)
+    assert rest == b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n'
+
+
+async def test_limits_and_upstream_failures(echo, proxy_to):
+    """Body over the limit: 413; upstream refusing: 502; upstream too slow: 504."""
+    upstream, _, _ = echo
+    proxy, _ = await proxy_to(upstream, max_body_bytes=1024, read_timeout_s=0.3)
+    dead, _ = await proxy_to(f"http://127.0.0.1:{free_port()}")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{proxy}/x", data=b"x" * 2048) as resp:
+            assert resp.status == 413
+        async with http.get(f"{dead}/v1/models") as resp:
+            assert resp.status == 502
+            assert (await resp.json())["error"]["type"] == "upstream_unreachable"
+        async with http.get(f"{proxy}/slow") as resp:
+            assert resp.status == 504
+
+
+def completion(prompt_words: int, max_tokens: int | None = None, **extra) -> dict:
+    """A /v1/completions body with a prompt of exactly ``prompt_words`` sim tokens."""
+    body = {"prompt": " ".join(["word"] * prompt_words), **extra}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
+async def test_shed_by_priority_with_retry_after(sim_engine, proxy_to):
+    """With shedding at 'standard': sheddable and standard get 503, critical and /v1/models pass."""
+    upstream = await sim_engine(kv_capacity_tokens=8192, max_model_len=2048)
+    mitigations = Mitigations(shed_floor="standard", retry_after_s=7, level="critical")
+    proxy, state = await proxy_to(upstream, mitigations)
+    async with aiohttp.ClientSession() as http:
+        for priority, expected in (("sheddable", 503), ("standard", 503), ("critical", 200)):
+            async with http.post(
+                f"{proxy}/v1/completions", json=completion(5, 3), headers={"X-Priority": priority}
+            ) as resp:
+                assert resp.status == expected, priority
+                if expected == 503:
+                    assert resp.headers["Retry-After"] == "7"
+                    error = (await resp.json())["error"]
+                    assert (error["type"], error["code"]) == (
+                        "server_overloaded",
+                        "kv_cache_pressure",
+                    )
+        async with http.get(f"{proxy}/v1/models") as resp:
+            assert resp.status == 200
+    assert state.counters.shed == {
+        ("sheddable", "kv_cache_pressure"): 1,
+        ("standard", "kv_cache_pressure"): 1,
+    }
+
+
+async def test_api_key_map_and_default_priority(sim_engine, proxy_to):
+    """An API key mapped to sheddable is shed; no header means the default class."""
+    upstream = await sim_engine(kv_capacity_tokens=8192, max_model_len=2048)
+    proxy, _ = await proxy_to(
+        upstream,
+        Mitigations(shed_floor="sheddable"),
+        api_key_priorities={"batch-key": "sheddable"},
+        default_priority="sheddable",
+    )
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            f"{proxy}/v1/completions",
+            json=completion(5, 3),
+            headers={"Authorization": "Bearer batch-key", "X-Priority": "critical"},
+        ) as resp:
+            assert resp.status == 503
+        async with http.post(f"{proxy}/v1/completions", json=completion(5, 3)) as resp:
+            assert resp.status == 503
+
+
+async def test_window_clamps_and_rejects(sim_engine, proxy_to):
+    """Caps of 100: max_tokens clamped to the room left or set when missing; too long: 400."""
+    upstream = await sim_engine(kv_capacity_tokens=8192, max_model_len=2048)
+    mitigations = Mitigations(max_prompt_tokens=100, max_tokens=100)
+    proxy, state = await proxy_to(upstream, mitigations)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{proxy}/v1/completions", json=completion(30, 500)) as resp:
+            assert (await resp.json())["usage"]["completion_tokens"] == 70
+        async with http.post(
+            f"{proxy}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi there"}]},
+        ) as resp:
+            usage = (await resp.json())["usage"]
+            assert usage["prompt_tokens"] + usage["completion_tokens"] == 100
+        async with http.post(f"{proxy}/v1/completions", json=completion(150, 10)) as resp:
+            assert resp.status == 400
+            assert "current limit of 100 tokens" in (await resp.json())["error"]["message"]
+        async with http.post(f"{proxy}/v1/completions", json=completion(95, 10)) as resp:
+            assert resp.status == 400  # 5 tokens of room is under min_completion_tokens
+    assert state.counters.clamped == 2
+    assert state.counters.rejected == {"prompt_over_window": 1, "no_room_for_completion": 1}
+
+
+async def test_dry_run_blocks_and_changes_nothing(sim_engine, proxy_to):
+    """Not enforcing: the same floor and caps let everything through unchanged."""
+    upstream = await sim_engine(kv_capacity_tokens=8192, max_model_len=2048)
+    mitigations = Mitigations(
+        enforcing=False, shed_floor="critical", max_prompt_tokens=10, max_tokens=10
+    )
+    proxy, state = await proxy_to(upstream, mitigations)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{proxy}/v1/completions", json=completion(30, 50), headers={"X-Priority": "sheddable"}
+        ) as resp,
+    ):
+        assert resp.status == 200
+        assert (await resp.json())["usage"]["completion_tokens"] == 50
+    assert not state.counters.shed
+    assert state.counters.clamped == 0
+
+
+async def test_cancel_largest_frees_the_engines_blocks(sim_server, proxy_to):
+    """The largest non-critical stream is cut with an error event; the sim frees its blocks."""
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=4096, per_token_s=0.0005)
+    mitigations = Mitigations()
+    proxy, state = await proxy_to(server.url, mitigations)
+    async with aiohttp.ClientSession() as http:
+        big = await http.post(f"{proxy}/v1/completions", json=completion(2000, 2000, stream=True))
+        small = await http.post(
+            f"{proxy}/v1/completions",
+            json=completion(50, 2000, stream=True),
+            headers={"X-Priority": "critical"},
+        )
+        await big.content.readuntil(b"\n\n")
+        await small.content.readuntil(b"\n\n")
+        used_before = server.engine.scheduler.used_blocks
+        assert state.inflight.largest().prompt_tokens == 2000
+        assert mitigations.apply([_cancel()], "critical", 5)[0][1] is True
+        rest = (await asyncio.wait_for(big.content.read(), 5)).decode()
+        assert '"code": "kv_cache_pressure"' in rest
+        for _ in range(500):
+            if server.engine.scheduler.used_blocks < used_before - 100:
+                break
+            await asyncio.sleep(0.01)
+        assert (
+            server.engine.scheduler.used_blocks < used_before - 100
+        )  # the 2,000-token prompt's blocks
+        assert len(server.engine.scheduler.running) == 1  # the critical one runs on
+        big.close()
+        small.close()
+    assert state.counters.cancelled == 1
+
+
+async def test_accounting_tracks_inflight_requests(sim_server, proxy_to):
+    """Prompt tokens come from the engine's /tokenize; generated tokens from the stream."""
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=4096, per_token_s=0.001)
+    proxy, state = await proxy_to(server.url, Mitigations())
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(f"{proxy}/v1/completions", json=completion(300, 500, stream=True))
+        for _ in range(10):
+            await resp.content.readuntil(b"\n\n")
+        (request,) = list(state.inflight)
+        assert request.prompt_tokens == 300
+        assert request.generated >= 9
+        assert request.projected_tokens == 800
+        resp.close()
+    for _ in range(500):
+        if not len(state.inflight):
+            break
+        await asyncio.sleep(0.01)
+    assert len(state.inflight) == 0
+    assert state.inflight.kv_tokens.count == 1
+
+
+def _cancel() -> Action:
+    return Action("cancel_largest", "test")
+
+
+def test_json_error_bodies_are_openai_shaped():
+    """Errors carry message, type and code, as OpenAI clients expect."""
+    body = json.loads(_error(503, "m", "server_overloaded", code="kv_cache_pressure").text or "")
+    assert body == {
+        "error": {"message": "m", "type": "server_overloaded", "code": "kv_cache_pressure"}
+    }
