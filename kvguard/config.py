@@ -11,17 +11,30 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
+from kvguard.config_fields import (
+    Parser,
+    boolean,
+    choice,
+    integer,
+    key_map,
+    list_of,
+    listen,
+    number,
+    path_in_url,
+    size,
+    text,
+    url,
+)
 from kvguard.errors import ConfigError, InvalidInputError
 from kvguard.model.forecast import ForecastSettings
 from kvguard.model.policy import ACTION_KINDS, PolicyConfig
 from kvguard.model.snapshot import ENGINE_KINDS, EngineKind
-from kvguard.model.units import KV_DTYPES, parse_bytes
+from kvguard.model.units import KV_DTYPES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -213,202 +226,88 @@ def _plain(value: object) -> object:
     return value
 
 
-# ------------------------------------------------------------------ field parsers
-Parser = Callable[[str, object], object]
-
-
-def _int(minimum: int, maximum: int = 2**31) -> Parser:
-    def parse(name: str, value: object) -> object:
-        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-            raise InvalidInputError(
-                name, value, f"must be an integer from {minimum} to {maximum:,}"
-            )
-        return value
-
-    return parse
-
-
-def _float(low: float, high: float, *, low_open: bool = True) -> Parser:
-    def parse(name: str, value: object) -> object:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ok:
-            number = float(value)  # type: ignore[arg-type]
-            ok = (low < number if low_open else low <= number) and number <= high
-        if not ok:
-            bracket = "(" if low_open else "["
-            raise InvalidInputError(name, value, f"must be a number in {bracket}{low:g}, {high:g}]")
-        return float(value)  # type: ignore[arg-type]
-
-    return parse
-
-
-def _choice(options: tuple[str, ...]) -> Parser:
-    def parse(name: str, value: object) -> object:
-        if not isinstance(value, str) or value.strip().lower() not in options:
-            raise InvalidInputError(name, value, f"must be one of {', '.join(options)}")
-        return value.strip().lower()
-
-    return parse
-
-
-def _text(name: str, value: object) -> object:
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidInputError(name, value, "must be a non-empty string")
-    return value.strip()
-
-
-def _size(name: str, value: object) -> object:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InvalidInputError(name, value, 'must be a size like "80GiB" or a byte count')
-    size = value if isinstance(value, int) else parse_bytes(value, name)
-    if size <= 0:
-        raise InvalidInputError(name, value, "must be a size > 0")
-    return size
-
-
-def _url(name: str, value: object) -> object:
-    allowed = "must be an http(s) URL with a host, e.g. http://127.0.0.1:8000"
-    if not isinstance(value, str):
-        raise InvalidInputError(name, value, allowed)
-    parts = urlsplit(value.strip())
-    try:
-        parts.port  # noqa: B018 - raises ValueError for a bad port
-    except ValueError as exc:
-        raise InvalidInputError(name, value, allowed) from exc
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        raise InvalidInputError(name, value, allowed)
-    if parts.username or parts.password:
-        # A URL ends up in logs and /status; credentials belong in token_file.
-        raise InvalidInputError(name, "<redacted>", "must not hold credentials (use token_file)")
-    return value.strip().rstrip("/")
-
-
-def _bool(name: str, value: object) -> object:
-    if not isinstance(value, bool):
-        raise InvalidInputError(name, value, "must be true or false")
-    return value
-
-
-def _key_map(name: str, value: object) -> object:
-    allowed = 'must be a table of API key = "critical" | "standard" | "sheddable"'
-    if not isinstance(value, Mapping):
-        raise InvalidInputError(name, "<redacted>", allowed)
-    for key, priority in value.items():
-        if priority not in ("critical", "standard", "sheddable"):
-            # The key is a secret: name the class, never the key.
-            raise InvalidInputError(f"{name}.<key>", priority, allowed)
-        if not str(key).strip():
-            raise InvalidInputError(name, "<empty key>", allowed)
-    return {str(k): str(v) for k, v in value.items()}
-
-
-def _path_in_url(name: str, value: object) -> object:
-    if not isinstance(value, str) or not value.startswith("/"):
-        raise InvalidInputError(name, value, 'must be a path starting with "/"')
-    return value
-
-
-def _listen(name: str, value: object) -> object:
-    allowed = 'must be "HOST:PORT", e.g. "127.0.0.1:9108"'
-    if not isinstance(value, str) or ":" not in value:
-        raise InvalidInputError(name, value, allowed)
-    host, _, port = value.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidInputError(name, value, allowed)
-    return value
-
-
-def _list_of(item: Parser) -> Parser:
-    def parse(name: str, value: object) -> object:
-        if not isinstance(value, list):
-            raise InvalidInputError(name, value, "must be a list")
-        return tuple(item(f"{name}[{i}]", v) for i, v in enumerate(value))
-
-    return parse
-
-
 _SCHEMA: dict[str, dict[str, Parser]] = {
     "engine": {
-        "url": _url,
-        "kind": _choice(("auto", *ENGINE_KINDS)),
-        "metrics_path": _path_in_url,
-        "token_file": _text,
-        "pid": _int(1, 2**22),
-        "process_name": _text,
+        "url": url,
+        "kind": choice(("auto", *ENGINE_KINDS)),
+        "metrics_path": path_in_url,
+        "token_file": text,
+        "pid": integer(1, 2**22),
+        "process_name": text,
     },
     "model": {
-        "config": _text,
-        "tp": _int(1, 1024),
-        "pp": _int(1, 1024),
-        "max_model_len": _int(1),
-        "max_num_seqs": _int(1, 1_000_000),
-        "max_num_batched_tokens": _int(1),
-        "kv_cache_dtype": _choice(KV_DTYPES),
-        "gpu_memory_utilization": _float(0.0, 1.0),
-        "kv_cache_memory_bytes": _size,
-        "block_size": _int(1, 4096),
-        "weights_bytes": _size,
-        "activation_bytes": _size,
-        "overhead_bytes": _size,
+        "config": text,
+        "tp": integer(1, 1024),
+        "pp": integer(1, 1024),
+        "max_model_len": integer(1),
+        "max_num_seqs": integer(1, 1_000_000),
+        "max_num_batched_tokens": integer(1),
+        "kv_cache_dtype": choice(KV_DTYPES),
+        "gpu_memory_utilization": number(0.0, 1.0),
+        "kv_cache_memory_bytes": size,
+        "block_size": integer(1, 4096),
+        "weights_bytes": size,
+        "activation_bytes": size,
+        "overhead_bytes": size,
     },
     "gpu": {
-        "indices": _list_of(_int(0, 1023)),
-        "uuids": _list_of(_text),
-        "memory": _size,
+        "indices": list_of(integer(0, 1023)),
+        "uuids": list_of(text),
+        "memory": size,
     },
     "poll": {
-        "interval_s": _float(0.0, 60.0),
-        "min_interval_s": _float(0.0, 60.0),
-        "timeout_s": _float(0.0, 60.0),
+        "interval_s": number(0.0, 60.0),
+        "min_interval_s": number(0.0, 60.0),
+        "timeout_s": number(0.0, 60.0),
     },
-    "server": {"listen": _listen},
-    "log": {"level": _choice(LOG_LEVELS), "format": _choice(LOG_FORMATS)},
+    "server": {"listen": listen},
+    "log": {"level": choice(LOG_LEVELS), "format": choice(LOG_FORMATS)},
     "policy": {
-        "tte_min_usage": _float(0.0, 1.0, low_open=False),
-        "confirm_ticks": _int(1, 1000),
-        "instant_kv_demand": _float(0.0, 100.0),
-        "exit_usage_margin": _float(0.0, 1.0, low_open=False),
-        "exit_tte_factor": _float(1.0, 100.0, low_open=False),
-        "hold_s": _float(0.0, 86_400.0, low_open=False),
-        "window_share_high": _float(0.0, 1.0),
-        "window_share_critical": _float(0.0, 1.0),
-        "min_window_tokens": _int(1),
-        "fp8_after_s": _float(0.0, 86_400.0, low_open=False),
-        "fp8_revert_calm_s": _float(0.0, 604_800.0, low_open=False),
-        "max_restarts_per_hour": _int(0, 60),
-        "disabled_actions": _list_of(_choice(ACTION_KINDS)),
-        "dry_run": _bool,
+        "tte_min_usage": number(0.0, 1.0, low_open=False),
+        "confirm_ticks": integer(1, 1000),
+        "instant_kv_demand": number(0.0, 100.0),
+        "exit_usage_margin": number(0.0, 1.0, low_open=False),
+        "exit_tte_factor": number(1.0, 100.0, low_open=False),
+        "hold_s": number(0.0, 86_400.0, low_open=False),
+        "window_share_high": number(0.0, 1.0),
+        "window_share_critical": number(0.0, 1.0),
+        "min_window_tokens": integer(1),
+        "fp8_after_s": number(0.0, 86_400.0, low_open=False),
+        "fp8_revert_calm_s": number(0.0, 604_800.0, low_open=False),
+        "max_restarts_per_hour": integer(0, 60),
+        "disabled_actions": list_of(choice(ACTION_KINDS)),
+        "dry_run": boolean,
     },
     **{
         f"policy.{level}": {
-            "kv_usage": _float(0.0, 1.0),
-            "time_to_exhaustion_s": _float(0.0, 86_400.0),
-            "gpu_free_ratio": _float(0.0, 1.0, low_open=False),
-            "preemptions_per_s": _float(0.0, 1e6),
+            "kv_usage": number(0.0, 1.0),
+            "time_to_exhaustion_s": number(0.0, 86_400.0),
+            "gpu_free_ratio": number(0.0, 1.0, low_open=False),
+            "preemptions_per_s": number(0.0, 1e6),
         }
         for level in ("elevated", "high", "critical")
     },
-    "policy.cooldowns": {kind: _float(0.0, 86_400.0, low_open=False) for kind in ACTION_KINDS},
+    "policy.cooldowns": {kind: number(0.0, 86_400.0, low_open=False) for kind in ACTION_KINDS},
     "forecast": {
-        "horizons_s": _list_of(_float(0.0, 86_400.0)),
-        "window_s": _float(0.0, 3600.0),
-        "kv_reserve_ratio": _float(0.0, 0.5, low_open=False),
-        "gpu_reserve": _size,
-        "min_rise_ratio_per_s": _float(0.0, 1.0, low_open=False),
+        "horizons_s": list_of(number(0.0, 86_400.0)),
+        "window_s": number(0.0, 3600.0),
+        "kv_reserve_ratio": number(0.0, 0.5, low_open=False),
+        "gpu_reserve": size,
+        "min_rise_ratio_per_s": number(0.0, 1.0, low_open=False),
     },
-    "pattern": {"window_s": _float(0.0, 3600.0)},
+    "pattern": {"window_s": number(0.0, 3600.0)},
     "proxy": {
-        "enabled": _bool,
-        "listen": _listen,
-        "upstream": _url,
-        "priority_header": _text,
-        "default_priority": _choice(("critical", "standard", "sheddable")),
-        "api_key_priorities": _key_map,
-        "max_body_bytes": _size,
-        "connect_timeout_s": _float(0.0, 600.0),
-        "read_timeout_s": _float(0.0, 86_400.0),
-        "min_completion_tokens": _int(1),
-        "fail_readiness_at": _choice(("critical", "high", "never")),
+        "enabled": boolean,
+        "listen": listen,
+        "upstream": url,
+        "priority_header": text,
+        "default_priority": choice(("critical", "standard", "sheddable")),
+        "api_key_priorities": key_map,
+        "max_body_bytes": size,
+        "connect_timeout_s": number(0.0, 600.0),
+        "read_timeout_s": number(0.0, 86_400.0),
+        "min_completion_tokens": integer(1),
+        "fail_readiness_at": choice(("critical", "high", "never")),
     },
 }
 _RENAMED = {("gpu", "memory"): "memory_bytes"}

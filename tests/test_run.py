@@ -445,3 +445,42 @@ async def test_engine_and_nvml_faults_leave_the_loop_ticking(bad_engine):
     finally:
         await runner.cleanup()
         await daemon.close()
+
+
+async def test_run_serves_the_proxy_when_enabled(sim_engine, tmp_path):
+    """`kvguard run` with [proxy] enabled forwards to the engine and accounts the requests."""
+    engine_url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    api_port, proxy_port = free_port(), free_port()
+    path = tmp_path / "kvguard.toml"
+    path.write_text(
+        f'[engine]\nurl = "{engine_url}"\n[server]\nlisten = "127.0.0.1:{api_port}"\n'
+        f'[proxy]\nenabled = true\nlisten = "127.0.0.1:{proxy_port}"\n[log]\nformat = "json"\n'
+    )
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "run", "--config", str(path), stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        started = (await read_events(proc, until="started"))[-1]
+        assert started["proxy"] == f"127.0.0.1:{proxy_port}"
+        body = {"prompt": "word " * 20, "max_tokens": 5}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                f"http://127.0.0.1:{proxy_port}/v1/completions", json=body
+            ) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["usage"] == {
+                    "prompt_tokens": 20,
+                    "completion_tokens": 5,
+                    "total_tokens": 25,
+                }
+            async with http.get(f"http://127.0.0.1:{proxy_port}/v1/models") as resp:
+                assert resp.status == 200
+        values = samples((await get(f"http://127.0.0.1:{api_port}/metrics"))[1])
+        assert one(values, "kvguard_request_prompt_tokens_count") == 1
+        assert one(values, "kvguard_inflight_requests") == 0
+        doc = json.loads((await get(f"http://127.0.0.1:{api_port}/status"))[1])
+        assert doc["proxy"]["upstream"] == engine_url
+        assert doc["mitigations"]["enforcing"] is True
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0

@@ -1,0 +1,421 @@
+"""Proxy efficacy: does kvguard in the request path cut preemptions and prevent crashes.
+
+For each pattern and seed, on 127.0.0.1 only, the SAME seeded ``kvguard loadgen``
+traffic is sent twice, each time at a fresh simulated vLLM engine with a small pool:
+
+* ``direct``: straight at the engine, no kvguard;
+* ``kvguard``: through kvguard's admission proxy, with the daemon live (not dry-run)
+  watching the engine, deciding every tick and putting its plan in force (shed,
+  window caps, cancel the largest request).
+
+Each run is ``WARMUP_S`` seconds of light steady traffic (kvguard runs before trouble
+starts and learns the request sizes), then ``pattern_s`` seconds of the pattern at
+concurrency 256. The engine's own preemption counter, read in-process, is the ground
+truth. Then the crash mode: the same pair with ``oom_on_exhaust`` (the engine crashes
+instead of preempting when its pool runs out); a run ends at the crash.
+
+All of it runs in one event loop, so the proxy's CPU time is also time the simulated
+engine does not step: on a small machine kvguard's overhead is part of what is measured.
+
+    .venv/bin/python -m bench.proxy_efficacy [--seeds 5] [--pattern-s 20]
+        [--out bench/results/proxy_efficacy.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import socket
+import statistics
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from kvguard.config import parse_config
+from kvguard.daemon import Daemon, Probes
+from kvguard.daemon_cli import listen, make_proxy
+from kvguard.errors import KvguardError
+from kvguard.model.policy import LEVELS
+from kvguard.model.snapshot import Snapshot
+from kvguard.probes.engine import EngineProbe
+from kvguard.sim.engine import TimeModel
+from kvguard.sim.loadgen import LoadConfig, run_load
+from kvguard.sim.loadgen_report import LoadReport
+from kvguard.sim.runner import PoolSpec, SimServer, size_pool, start_sim_server
+
+POOL = PoolSpec(
+    kv_capacity_tokens=12_288, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048
+)
+WARMUP_S = 4.0
+PATTERN_S = 20.0
+GRACE_S = 1.0
+CONCURRENCY = 256
+MAX_REQUESTS = 5000
+PATTERNS = ("bursty_short", "long_context")
+TIMELINE_KEPT = 60  # decision events kept per run: enough to read what fired and when
+POLL = {"interval_s": 0.5, "min_interval_s": 0.1, "timeout_s": 1.0}
+
+
+@dataclass
+class Run:
+    """One measured run: the traffic's outcome, the engine's, and what kvguard did."""
+
+    pattern: str
+    seed: int
+    guarded: bool
+    oom: bool
+    preemptions: int = 0
+    crashed_at_s: float | None = None  # seconds after the pattern started
+    crash_message: str | None = None
+    load: dict[str, Any] = field(default_factory=dict)
+    peak_level: str = "ok"
+    first_high_at_s: float | None = None
+    decisions: dict[str, int] = field(default_factory=dict)
+    proxy: dict[str, Any] = field(default_factory=dict)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def mode(self) -> str:
+        """``kvguard`` or ``direct``."""
+        return "kvguard" if self.guarded else "direct"
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def load_summary(report: LoadReport) -> dict[str, Any]:
+    """The parts of a loadgen report this benchmark compares."""
+    ttft = report.ttft_s
+    return {
+        "sent": report.sent,
+        "succeeded": report.succeeded,
+        "shed": report.shed,
+        "failed": report.failed,
+        "unfinished": report.unfinished,
+        "goodput": report.goodput,
+        "goodput_ratio": report.goodput_ratio,
+        "ttft_p50_s": ttft.p50 if ttft else None,
+        "ttft_p99_s": ttft.p99 if ttft else None,
+        "kv_usage_peak": report.kv_usage_peak,
+        "waiting_peak": report.waiting_peak,
+        "status_counts": dict(report.status_counts),
+        "by_priority": report.as_dict()["by_priority"],
+    }
+
+
+class Guard:
+    """kvguard in front of one engine: the live daemon loop and its admission proxy."""
+
+    def __init__(self, daemon: Daemon, runner: web.AppRunner, url: str) -> None:
+        self.daemon = daemon
+        self.runner = runner
+        self.url = url
+        self.stop = asyncio.Event()
+        self.loop: asyncio.Future[None] | None = None
+
+    @classmethod
+    async def start(cls, engine_url: str) -> Guard:
+        """Build the daemon and proxy as ``kvguard run`` does with ``[proxy] enabled``."""
+        for attempt in range(5):  # the free port can be taken between probe and bind
+            address = f"127.0.0.1:{free_port()}"
+            config = parse_config(
+                {
+                    "engine": {"url": engine_url},
+                    "poll": POLL,
+                    "proxy": {"enabled": True, "listen": address},
+                },
+                env={},
+            )
+            daemon = Daemon(
+                config,
+                probes=Probes(
+                    engine=EngineProbe(engine_url, timeout_s=POLL["timeout_s"]),
+                    nvml=None,
+                    host=None,
+                ),
+            )
+            proxy = make_proxy(config, daemon)
+            try:
+                runner = await listen(proxy.app(), address, cancel=True)
+            except KvguardError:
+                await daemon.close()
+                if attempt == 4:
+                    raise
+                continue
+            daemon.proxy = proxy
+            return cls(daemon, runner, f"http://{address}")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def run(self, after_tick: Any) -> None:
+        """Start the tick loop in the background."""
+        self.loop = asyncio.ensure_future(self.daemon.run(self.stop, after_tick=after_tick))
+
+    async def close(self) -> None:
+        """Stop the loop, the proxy and the probes."""
+        self.stop.set()
+        if self.loop is not None:
+            await self.loop
+        await self.runner.cleanup()
+        await self.daemon.close()
+
+
+async def measure(
+    pattern: str,
+    seed: int,
+    *,
+    guarded: bool,
+    oom: bool = False,
+    pattern_s: float = PATTERN_S,
+    warmup_s: float = WARMUP_S,
+) -> Run:
+    """One run of ``pattern``/``seed`` at a fresh engine, directly or through kvguard."""
+    began = time.monotonic()
+    server = await start_sim_server(
+        size_pool(replace(POOL, oom_on_exhaust=oom)), time_model=TimeModel(), seed=seed
+    )
+    guard = await Guard.start(server.url) if guarded else None
+    run = Run(pattern, seed, guarded, oom)
+    pattern_start: float | None = None
+    try:
+        if guard is not None:
+            guard.run(lambda _: _observe(guard.daemon, run, pattern_start))
+        url = guard.url if guard is not None else server.url
+        warmup = LoadConfig(
+            url,
+            pattern="steady",
+            duration_s=warmup_s,
+            concurrency=8,
+            seed=seed,
+            scale=0.2,
+            max_context=4096,
+            grace_s=0.5,
+        )
+        await run_load(warmup)
+        if server.engine.stats.preemptions_total or server.crashed.is_set():
+            raise RuntimeError("the warm-up itself preempted or crashed: lower its load")
+        before = server.engine.stats.preemptions_total
+        pattern_start = time.monotonic()
+        run.peak_level = "ok"  # the warm-up's levels do not count
+        report = await _load_until_crash(server, run, url, pattern, seed, pattern_s, pattern_start)
+        run.preemptions = int(server.engine.stats.preemptions_total - before)
+        run.load = load_summary(report)
+    finally:
+        if guard is not None:
+            _record_guard(guard, run)
+            await guard.close()
+        await server.stop()
+    run.wall_s = time.monotonic() - began
+    return run
+
+
+async def _load_until_crash(
+    server: SimServer,
+    run: Run,
+    url: str,
+    pattern: str,
+    seed: int,
+    pattern_s: float,
+    start: float,
+) -> LoadReport:
+    """The pattern's load; a crash of the engine ends it at once (the rest would only fail)."""
+    stop = asyncio.Event()
+
+    async def watch_crash() -> None:
+        await server.crashed.wait()
+        run.crashed_at_s = time.monotonic() - start
+        run.crash_message = "; ".join(server.crash_messages)
+        stop.set()
+
+    watcher = asyncio.ensure_future(watch_crash())
+    try:
+        return await run_load(
+            LoadConfig(
+                url,
+                pattern=pattern,
+                duration_s=pattern_s,
+                max_requests=MAX_REQUESTS,
+                concurrency=CONCURRENCY,
+                seed=seed,
+                max_context=4096,
+                grace_s=GRACE_S,
+            ),
+            stop=stop,
+        )
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+def _observe(daemon: Daemon, run: Run, pattern_start: float | None) -> None:
+    """After each tick: the peak level, and every level change or plan, timed."""
+    decision = daemon.brain.decision
+    if decision is None or pattern_start is None:
+        return  # the warm-up is not part of the measurement
+    t = round(time.monotonic() - pattern_start, 2)
+    rank = LEVELS.index(decision.level)
+    if rank > LEVELS.index(run.peak_level):
+        run.peak_level = decision.level
+    if run.first_high_at_s is None and rank >= LEVELS.index("high"):
+        run.first_high_at_s = t
+    changed = decision.level != decision.previous_level
+    if (decision.plan or changed) and len(run.timeline) < TIMELINE_KEPT:
+        signals = decision.signals
+        run.timeline.append(
+            {
+                "t_s": t,
+                "level": decision.level,
+                "pattern": decision.pattern,
+                "actions": [
+                    {k: v for k, v in asdict(a).items() if v is not None and k != "reason"}
+                    for a in decision.plan
+                ],
+                "crossed": list(decision.crossed)[:3],
+                "kv_usage": _round(signals.kv_usage),
+                "kv_demand": _round(signals.kv_demand),
+            }
+        )
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _record_guard(guard: Guard, run: Run) -> None:
+    run.decisions = {f"{kind}/{mode}": n for (kind, mode), n in guard.daemon.brain.counts.items()}
+    proxy = guard.daemon.proxy
+    if proxy is None:
+        return
+    counters = proxy.counters
+    shed: Counter[str] = Counter()
+    for (priority, _), n in counters.shed.items():
+        shed[priority] += n
+    run.proxy = {
+        "shed": dict(shed),
+        "clamped": counters.clamped,
+        "rejected": dict(counters.rejected),
+        "cancelled": counters.cancelled,
+        "upstream_errors": dict(counters.upstream_errors),
+    }
+
+
+# ------------------------------------------------------------------ summary
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: list[Run]) -> dict[str, Any]:
+    """Per pattern: preemptions, goodput and shed share without vs with kvguard; crashes."""
+    out: dict[str, Any] = {}
+    for pattern in PATTERNS:
+        mine = [r for r in runs if r.pattern == pattern]
+        if not mine:
+            continue
+        row: dict[str, Any] = {}
+        for mode in ("direct", "kvguard"):
+            normal = [r for r in mine if r.mode == mode and not r.oom]
+            crash = [r for r in mine if r.mode == mode and r.oom]
+            sent = sum(r.load["sent"] for r in normal)
+            row[mode] = {
+                "preemptions": [r.preemptions for r in normal],
+                "preemptions_median": _median([r.preemptions for r in normal]),
+                "goodput_ratio_median": _median(
+                    [r.load["goodput_ratio"] for r in normal if r.load["goodput_ratio"] is not None]
+                ),
+                "shed_share": sum(r.load["shed"] for r in normal) / sent if sent else None,
+                "ttft_p99_s_median": _median(
+                    [r.load["ttft_p99_s"] for r in normal if r.load["ttft_p99_s"] is not None]
+                ),
+                "peak_levels": [r.peak_level for r in normal],
+                "oom_crashes": sum(1 for r in crash if r.crashed_at_s is not None),
+                "oom_runs": len(crash),
+                "oom_crash_at_s": [r.crashed_at_s for r in crash],
+            }
+        out[pattern] = row
+    return out
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The summary as a short table."""
+    lines = [
+        f"{'pattern':<13} {'mode':<8} {'preempt med':>11} {'goodput':>8} {'shed':>6}"
+        f" {'ttft p99':>9} {'oom crashes':>11}  preemptions per seed"
+    ]
+    for pattern, row in summary.items():
+        for mode, m in row.items():
+            goodput = m["goodput_ratio_median"]
+            shed = m["shed_share"]
+            ttft = m["ttft_p99_s_median"]
+            lines.append(
+                f"{pattern:<13} {mode:<8} {m['preemptions_median']!s:>11}"
+                f" {'n/a' if goodput is None else f'{goodput:.0%}':>8}"
+                f" {'n/a' if shed is None else f'{shed:.0%}':>6}"
+                f" {'n/a' if ttft is None else f'{ttft:.2f}s':>9}"
+                f" {m['oom_crashes']:>5}/{m['oom_runs']:<5}  {m['preemptions']}"
+            )
+    return "\n".join(lines)
+
+
+async def main_async(seeds: int, pattern_s: float) -> dict[str, Any]:
+    """Every pattern x seed x mode, normal then crash mode, one after another."""
+    runs: list[Run] = []
+    for oom in (False, True):
+        for pattern in PATTERNS:
+            for seed in range(1, seeds + 1):
+                for guarded in (False, True):
+                    run = await measure(pattern, seed, guarded=guarded, oom=oom, pattern_s=pattern_s)
+                    runs.append(run)
+                    crash = "" if run.crashed_at_s is None else f" CRASH at {run.crashed_at_s:.2f}s"
+                    print(  # noqa: T201 - progress of a long benchmark
+                        f"{pattern} seed {seed} {run.mode:<7} oom={oom!s:<5}"
+                        f" preemptions {run.preemptions:>4} peak {run.peak_level:<8}"
+                        f" sent {run.load.get('sent')} shed {run.load.get('shed')}"
+                        f" ({run.wall_s:.0f} s){crash}",
+                        flush=True,
+                    )
+    return {
+        "pool": {
+            "kv_capacity_tokens": POOL.kv_capacity_tokens,
+            "max_model_len": POOL.max_model_len,
+            "max_num_seqs": POOL.max_num_seqs,
+            "max_num_batched_tokens": POOL.max_num_batched_tokens,
+        },
+        "load": {
+            "warmup_s": WARMUP_S,
+            "pattern_s": pattern_s,
+            "concurrency": CONCURRENCY,
+            "grace_s": GRACE_S,
+            "max_context": 4096,
+        },
+        "poll": POLL,
+        "summary": summarize(runs),
+        "runs": [{**asdict(r), "mode": r.mode} for r in runs],
+    }
+
+
+def main() -> None:
+    """Run the benchmark, write its JSON and print the summary."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--pattern-s", type=float, default=PATTERN_S)
+    parser.add_argument("--out", default="bench/results/proxy_efficacy.json")
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args.seeds, args.pattern_s))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(render(result["summary"]))  # noqa: T201 - the benchmark's report
+
+
+if __name__ == "__main__":
+    main()
