@@ -105,6 +105,7 @@ class Brain:
         """Decide on one snapshot; record and log what changed."""
         config = self.config
         self.samples.append(tick_sample(snapshot))
+        self._refresh_pool(snapshot)
         keep = max(config.forecast.window_s, config.pattern_window_s) + 5.0
         while self.samples and snapshot.taken_at - self.samples[0].t > keep:
             self.samples.popleft()
@@ -120,6 +121,17 @@ class Brain:
         if decision.plan or decision.level != decision.previous_level:
             self._record(decision, wall_time, [took for _, took in outcomes])
         return decision
+
+    def _refresh_pool(self, snapshot: Snapshot) -> None:
+        """Tell the admission path the engine's usable pool (None while it is unknown)."""
+        engine, source = snapshot.engine, snapshot.sources.get("engine")
+        pool = None
+        if engine is not None and source is not None and source.ok:
+            blocks, block = engine.kv_capacity_blocks, engine.block_size
+            # vLLM counts one reserved null block in num_gpu_blocks; it holds no KV.
+            pool = (blocks - 1) * block if blocks and block else engine.kv_capacity_tokens
+            self.mitigations.block_size = block or 16
+        self.mitigations.pool_tokens = pool
 
     def _retry_after_s(self) -> int:
         """Seconds until shed clients should retry: the excess demand over the drain rate."""

@@ -157,6 +157,9 @@ class ProxyConfig:
     read_timeout_s: float = 600.0
     min_completion_tokens: int = 16
     fail_readiness_at: str = "critical"  # or "never": /readyz 503 while shedding at this level
+    admission: str = "off"  # "projected": admit against the engine's pool, no poll delay
+    admission_ratio: float = 0.95
+    admission_wait_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -308,6 +311,9 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "read_timeout_s": number(0.0, 86_400.0),
         "min_completion_tokens": integer(1),
         "fail_readiness_at": choice(("critical", "high", "never")),
+        "admission": choice(("off", "projected")),
+        "admission_ratio": number(0.0, 1.0),
+        "admission_wait_s": number(0.0, 600.0, low_open=False),
     },
 }
 _RENAMED = {("gpu", "memory"): "memory_bytes"}

@@ -177,6 +177,9 @@ def make_proxy(config: Config, daemon: Daemon) -> AdmissionProxy:
         connect_timeout_s=proxy.connect_timeout_s,
         read_timeout_s=proxy.read_timeout_s,
         min_completion_tokens=proxy.min_completion_tokens,
+        admission=proxy.admission,
+        admission_ratio=proxy.admission_ratio,
+        admission_wait_s=proxy.admission_wait_s,
     )
     per_token = budget.budget.kv_bytes_per_token_per_gpu if budget is not None else None
     return AdmissionProxy(settings, daemon.mitigations, bytes_per_token=per_token)

@@ -42,8 +42,10 @@ def build_app(daemon: Daemon) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/status", status)
-    app.router.add_route("GET", "/admission", admission)
-    app.router.add_route("POST", "/admission", admission)
+    # Envoy's ext_authz appends the client's path to the prefix (/admission/v1/...).
+    for path in ("/admission", "/admission/{tail:.*}"):
+        app.router.add_route("GET", path, admission)
+        app.router.add_route("POST", path, admission)
     return app
 
 

@@ -186,3 +186,15 @@ async def test_readyz_never_fails_for_shedding_when_configured_never(gateway):
     shed(daemon, "standard", level="critical")
     assert await readyz(url) == (200, {"status": "ready"})
     assert (await ask(url, headers={"X-Priority": "standard"}))[0] == 429  # still shedding
+
+
+async def test_admission_answers_under_envoys_path_prefix(gateway):
+    """Envoy appends the client's path to `path_prefix`: /admission/<path> decides the same."""
+    daemon, url = await gateway()
+    shed(daemon, "sheddable")
+    async with aiohttp.ClientSession() as http:
+        for priority, expected in (("sheddable", 429), ("critical", 200)):
+            async with http.post(
+                f"{url}/admission/v1/chat/completions", headers={"X-Priority": priority}
+            ) as resp:
+                assert resp.status == expected, priority

@@ -25,6 +25,7 @@ from kvguard.config import parse_config
 from kvguard.daemon import Daemon
 from tests.test_run import free_port, start_api
 
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "integrations.md"
 # Debian puts nginx in /usr/sbin, which is not on an ordinary user's PATH.
 NGINX = shutil.which("nginx", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin"]))
 BATCH_KEY = "sk-batch-made-up"
@@ -131,12 +132,16 @@ def nginx_conf(site: str, prefix: Path, listen: str, engine: str, kvguard: str) 
     # As root, nginx would switch its worker to `nobody`, which cannot enter the
     # test's private directory; run it as ourselves instead (ignored when not root).
     user = "user root;" if os.geteuid() == 0 else ""
-    filled = site.replace("LISTEN", listen).replace("ENGINE", engine).replace("KVGUARD", kvguard)
     return (
         MAIN.replace("PREFIX", str(prefix))
         .replace("USER", user)
-        .replace("SITE", textwrap.indent(filled, "    ").rstrip())
+        .replace("SITE", textwrap.indent(fill(site, listen, engine, kvguard), "    ").rstrip())
     )
+
+
+def fill(site: str, listen: str, engine: str, kvguard: str) -> str:
+    """``site`` with its listen address, engine and kvguard API addresses filled in."""
+    return site.replace("LISTEN", listen).replace("ENGINE", engine).replace("KVGUARD", kvguard)
 
 
 @dataclass
@@ -182,17 +187,16 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
 
 @pytest.fixture
 async def nginx_stack(sim_engine, tmp_path):
-    """Start a sim engine, kvguard's API and nginx (``site``) on 127.0.0.1; stops them after."""
+    """Start a sim engine, kvguard's API and nginx (``site``) on 127.0.0.1; stop them after."""
     if NGINX is None:
         pytest.skip("nginx not installed: run scripts/install-system.sh (Debian package nginx)")
     procs: list[asyncio.subprocess.Process] = []
     stacks: list[Stack] = []
 
     async def start(site: str = SITE, proxy: dict[str, Any] | None = None) -> Stack:
-        engine = (await sim_engine(kv_capacity_tokens=8192, max_model_len=4096)).removeprefix(
-            "http://"
-        )
-        table: dict[str, Any] = {"engine": {"url": f"http://{engine}"}, "proxy": proxy or {}}
+        engine_url = await sim_engine(kv_capacity_tokens=8192, max_model_len=4096)
+        engine = engine_url.removeprefix("http://")
+        table: dict[str, Any] = {"engine": {"url": engine_url}, "proxy": proxy or {}}
         daemon = Daemon(parse_config(table, env={}))
         api, api_url = await start_api(daemon)
         port = free_port()
@@ -321,3 +325,9 @@ async def test_bare_auth_request_turns_kvguards_429_into_500(nginx_stack):
     assert status == 500
     assert "Retry-After" not in headers
     assert "auth request unexpected status: 429" in logged(stack.error_log)
+
+
+def test_docs_show_the_tested_nginx_config():
+    """docs/integrations.md shows the SITE tested here verbatim, with its usual ports."""
+    shown = fill(SITE, "8080", "127.0.0.1:8000", "127.0.0.1:9108")
+    assert f"```nginx\n{shown}```" in DOCS.read_text()

@@ -107,6 +107,12 @@ class Inflight:
         if self._requests.pop(request.request_id, None) is not None:
             self.kv_tokens.observe(request.footprint_tokens)
 
+    def projected_tokens(self, block_size: int) -> int:
+        """Tokens all in-flight requests will hold at most, each rounded up to whole blocks."""
+        return sum(
+            -(-r.projected_tokens // block_size) * block_size for r in self._requests.values()
+        )
+
     @property
     def total_tokens(self) -> int:
         """Tokens all in-flight requests hold now."""

@@ -47,6 +47,9 @@ class Mitigations:
     level: str = "ok"
     retry_after_s: int = 5
     cancel_largest: Callable[[], bool] | None = field(default=None, repr=False)
+    # The engine's usable KV pool, refreshed every tick: what the proxy admits against.
+    pool_tokens: int | None = None
+    block_size: int = 16
 
     def apply(
         self, actions: Iterable[Action], level: str, retry_after_s: int

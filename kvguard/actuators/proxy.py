@@ -54,6 +54,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 TOKENIZE_TIMEOUT_S = 0.25
+UNKNOWN_MAX_TOKENS = 512  # projection of a request that sets no max_tokens
 USAGE_SCAN_BYTES = 1024 * 1024  # whole answers are read for `usage` up to this size
 CANCEL_MESSAGE = (
     "kvguard cancelled this request to free KV cache for others (the cache is full); retry later"
@@ -73,6 +74,9 @@ class ProxySettings:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     min_completion_tokens: int = 16
+    admission: str = "off"  # "projected": admit against the engine's pool (see _make_room)
+    admission_ratio: float = 0.95
+    admission_wait_s: float = 5.0
 
 
 class ProxyCounters:
@@ -105,6 +109,7 @@ class AdmissionProxy:
         self._tokenize_ok = True
         self._session: aiohttp.ClientSession | None = None
         self._upstream = settings.upstream.rstrip("/")
+        self._room = asyncio.Condition()
         mitigations.cancel_largest = self.cancel_largest
 
     def app(self) -> web.Application:
@@ -216,10 +221,55 @@ class AdmissionProxy:
                 max_tokens = room
                 self.counters.clamped += 1
                 body = json.dumps(payload).encode()
-        tracked = InflightRequest(
-            request_id, priority, prompt, max_tokens if max_tokens is not None else None
-        )
+        tracked = InflightRequest(request_id, priority, prompt, max_tokens)
+        if not await self._make_room(tracked):
+            self.counters.shed[(priority, "kv_pool_full")] += 1
+            log.info(
+                "request_shed", request_id=request_id, priority=priority, reason="kv_pool_full"
+            )
+            return _error(
+                503,
+                "kvguard is holding new requests: the engine's KV pool is full with requests"
+                f" in flight; retry after {self.mitigations.retry_after_s} s",
+                "server_overloaded",
+                code="kv_cache_pressure",
+                headers={"Retry-After": str(self.mitigations.retry_after_s)},
+            )
         return body, tracked
+
+    async def _make_room(self, tracked: InflightRequest) -> bool:
+        """With ``admission = "projected"``, wait until the request fits the pool.
+
+        A request fits when every in-flight request's projection (prompt +
+        ``max_tokens``, in whole blocks) plus its own stays within
+        ``admission_ratio`` of the engine's usable pool. It waits up to
+        ``admission_wait_s`` for others to finish, then is shed. Critical requests,
+        an unknown pool and dry-run always pass. No poll interval stands between a
+        burst and this check: it is what keeps an engine that crashes on exhaustion alive.
+        """
+        mitigations, settings = self.mitigations, self.settings
+        if settings.admission != "projected" or not mitigations.enforcing:
+            return True
+        if tracked.priority == "critical" or mitigations.pool_tokens is None:
+            return True
+        if tracked.max_tokens is None:
+            tracked.max_tokens = UNKNOWN_MAX_TOKENS  # the engine picks; assume a long answer
+        block = mitigations.block_size
+        own = -(-tracked.projected_tokens // block) * block
+
+        def fits() -> bool:
+            pool = mitigations.pool_tokens
+            limit = pool * settings.admission_ratio if pool is not None else float("inf")
+            return self.inflight.projected_tokens(block) + own <= limit
+
+        if fits():
+            return True
+        try:
+            async with self._room:
+                await asyncio.wait_for(self._room.wait_for(fits), settings.admission_wait_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            return False
+        return True
 
     def priority_of(self, headers: Mapping[str, str]) -> str:
         """The request's class: from the API-key map, else the header, else the default."""
@@ -321,6 +371,8 @@ class AdmissionProxy:
                     upstream.close()
             if tracked is not None:
                 self.inflight.done(tracked)
+                async with self._room:
+                    self._room.notify_all()  # a waiting request may fit now
 
     async def _relay(
         self,

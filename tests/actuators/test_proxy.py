@@ -334,3 +334,77 @@ def test_json_error_bodies_are_openai_shaped():
     assert body == {
         "error": {"message": "m", "type": "server_overloaded", "code": "kv_cache_pressure"}
     }
+
+
+async def test_projected_admission_waits_for_room_then_sheds(sim_server, proxy_to):
+    """With a 1,000-token pool, a request that does not fit waits for room; past the wait, 503."""
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
+    mitigations = Mitigations(pool_tokens=1000, block_size=16)
+    proxy, state = await proxy_to(
+        server.url, mitigations, admission="projected", admission_ratio=1.0, admission_wait_s=0.3
+    )
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.ensure_future(
+            http.post(f"{proxy}/v1/completions", json=completion(400, 300))
+        )
+        for _ in range(500):
+            if len(state.inflight):
+                break
+            await asyncio.sleep(0.01)
+        # 704 tokens projected in flight: another 400 + 300 does not fit; it waits 0.3 s, then 503.
+        async with http.post(
+            f"{proxy}/v1/completions",
+            json=completion(400, 300),
+            headers={"X-Priority": "sheddable"},
+        ) as resp:
+            assert resp.status == 503
+            assert "KV pool is full" in (await resp.json())["error"]["message"]
+        # Critical requests are never held.
+        async with http.post(
+            f"{proxy}/v1/completions", json=completion(400, 5), headers={"X-Priority": "critical"}
+        ) as resp:
+            assert resp.status == 200
+        (await first).close()
+    assert state.counters.shed == {("sheddable", "kv_pool_full"): 1}
+
+
+async def test_projected_admission_lets_a_waiting_request_in_when_room_frees(sim_engine, proxy_to):
+    """A request that waits is admitted as soon as the one in flight finishes."""
+    upstream = await sim_engine(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.0005)
+    mitigations = Mitigations(pool_tokens=1000, block_size=16)
+    proxy, state = await proxy_to(
+        upstream, mitigations, admission="projected", admission_ratio=1.0, admission_wait_s=20
+    )
+    async with aiohttp.ClientSession() as http:
+        results = await asyncio.gather(
+            *(http.post(f"{proxy}/v1/completions", json=completion(400, 200)) for _ in range(3))
+        )
+        statuses = [r.status for r in results]
+        for r in results:
+            r.close()
+    assert statuses == [200, 200, 200]  # one at a time through the 1,000-token pool
+    assert not state.counters.shed
+
+
+async def test_projected_admission_keeps_an_oom_engine_alive(sim_server, proxy_to):
+    """A burst that crashes an oom_on_exhaust engine passes through the proxy without a crash."""
+    body = completion(300, 100)
+    crashing = await sim_server(kv_capacity_tokens=4096, max_model_len=2048, oom_on_exhaust=True)
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(
+            *(http.post(f"{crashing.url}/v1/completions", json=body) for _ in range(30))
+        )
+    assert crashing.crashed.is_set()  # the premise: 30 x 400 tokens do not fit 4,080
+
+    server = await sim_server(kv_capacity_tokens=4096, max_model_len=2048, oom_on_exhaust=True)
+    mitigations = Mitigations(pool_tokens=4080, block_size=16)
+    proxy, _ = await proxy_to(server.url, mitigations, admission="projected", admission_wait_s=30)
+    async with aiohttp.ClientSession() as http:
+        answers = await asyncio.gather(
+            *(http.post(f"{proxy}/v1/completions", json=body) for _ in range(30))
+        )
+        statuses = [a.status for a in answers]
+        for a in answers:
+            a.close()
+    assert not server.crashed.is_set()
+    assert statuses == [200] * 30
