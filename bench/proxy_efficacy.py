@@ -1,36 +1,40 @@
 """Proxy efficacy: does kvguard in the request path cut preemptions and prevent crashes.
 
 For each pattern and seed, on 127.0.0.1 only, the SAME seeded ``kvguard loadgen``
-traffic is sent twice, each time at a fresh simulated vLLM engine with a small pool:
+traffic is sent in each mode, each time at a fresh simulated vLLM engine with a small pool:
 
 * ``direct``: straight at the engine, no kvguard;
 * ``kvguard``: through kvguard's admission proxy, with the daemon live (not dry-run)
   watching the engine, deciding every tick and putting its plan in force (shed,
-  window caps, cancel the largest request).
+  window caps, cancel the largest request); ``[proxy]`` at its defaults;
+* ``kvguard_projected`` (with ``--projected``): the same with ``[proxy] admission =
+  "projected"``, where the proxy also holds each request until its projected KV
+  footprint fits the engine's pool, with no poll interval in between.
 
 Each run is ``WARMUP_S`` seconds of light steady traffic (kvguard runs before trouble
 starts and learns the request sizes), then ``pattern_s`` seconds of the pattern at
 concurrency 256. The engine's own preemption counter, read in-process, is the ground
-truth. Then the crash mode: the same pair with ``oom_on_exhaust`` (the engine crashes
+truth. Then the crash mode: the same runs with ``oom_on_exhaust`` (the engine crashes
 instead of preempting when its pool runs out); a run ends at the crash.
 
 All of it runs in one event loop, so the proxy's CPU time is also time the simulated
 engine does not step: on a small machine kvguard's overhead is part of what is measured.
 
-    .venv/bin/python -m bench.proxy_efficacy [--seeds 5] [--pattern-s 20]
-        [--out bench/results/proxy_efficacy.json]
+    .venv/bin/python -m bench.proxy_efficacy [--seeds 5] [--pattern-s 16]
+        [--crash-pattern-s 15] [--projected] [--out bench/results/proxy_efficacy.json]
+
+At 5 seeds the default (two modes) takes about 10 minutes; ``--projected`` half again.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import socket
 import statistics
 import time
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,17 +52,26 @@ from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.loadgen_report import LoadReport
 from kvguard.sim.runner import PoolSpec, SimServer, size_pool, start_sim_server
+from kvguard.telemetry import configure_logging
 
 POOL = PoolSpec(
     kv_capacity_tokens=12_288, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048
 )
-WARMUP_S = 4.0
-PATTERN_S = 20.0
+WARMUP_S = 3.0
+PATTERN_S = 16.0
+CRASH_PATTERN_S = 15.0  # a direct run crashes within 9 s; a guarded one must outlast that
+STOP_WAIT_S = 3.0
 GRACE_S = 1.0
 CONCURRENCY = 256
 MAX_REQUESTS = 5000
 PATTERNS = ("bursty_short", "long_context")
+# direct: no kvguard. kvguard: the default [proxy] (admission = "off": the proxy applies
+# the daemon's per-tick plan). kvguard_projected: [proxy] admission = "projected", where
+# the proxy also admits each request against the engine's pool as it arrives.
+MODES = ("direct", "kvguard", "kvguard_projected")
+DEFAULT_MODES = ("direct", "kvguard")  # what fits the ~10 min budget at 5 seeds
 TIMELINE_KEPT = 60  # decision events kept per run: enough to read what fired and when
+TICKS_KEPT = 8
 POLL = {"interval_s": 0.5, "min_interval_s": 0.1, "timeout_s": 1.0}
 
 
@@ -68,7 +81,7 @@ class Run:
 
     pattern: str
     seed: int
-    guarded: bool
+    mode: str  # one of MODES
     oom: bool
     preemptions: int = 0
     crashed_at_s: float | None = None  # seconds after the pattern started
@@ -79,12 +92,14 @@ class Run:
     decisions: dict[str, int] = field(default_factory=dict)
     proxy: dict[str, Any] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    # The last ticks kvguard saw (up to TICKS_KEPT): before a crash, what it knew in time.
+    last_ticks: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
 
     @property
-    def mode(self) -> str:
-        """``kvguard`` or ``direct``."""
-        return "kvguard" if self.guarded else "direct"
+    def guarded(self) -> bool:
+        """Whether the traffic went through kvguard."""
+        return self.mode != "direct"
 
 
 def free_port() -> int:
@@ -126,7 +141,7 @@ class Guard:
         self.loop: asyncio.Future[None] | None = None
 
     @classmethod
-    async def start(cls, engine_url: str) -> Guard:
+    async def start(cls, engine_url: str, *, admission: str = "off") -> Guard:
         """Build the daemon and proxy as ``kvguard run`` does with ``[proxy] enabled``."""
         for attempt in range(5):  # the free port can be taken between probe and bind
             address = f"127.0.0.1:{free_port()}"
@@ -134,7 +149,7 @@ class Guard:
                 {
                     "engine": {"url": engine_url},
                     "poll": POLL,
-                    "proxy": {"enabled": True, "listen": address},
+                    "proxy": {"enabled": True, "listen": address, "admission": admission},
                 },
                 env={},
             )
@@ -158,7 +173,7 @@ class Guard:
             return cls(daemon, runner, f"http://{address}")
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def run(self, after_tick: Any) -> None:
+    def run(self, after_tick: Callable[[Snapshot], None]) -> None:
         """Start the tick loop in the background."""
         self.loop = asyncio.ensure_future(self.daemon.run(self.stop, after_tick=after_tick))
 
@@ -175,18 +190,26 @@ async def measure(
     pattern: str,
     seed: int,
     *,
-    guarded: bool,
+    mode: str,
     oom: bool = False,
     pattern_s: float = PATTERN_S,
     warmup_s: float = WARMUP_S,
 ) -> Run:
-    """One run of ``pattern``/``seed`` at a fresh engine, directly or through kvguard."""
+    """One run of ``pattern``/``seed`` at a fresh engine, directly or through kvguard.
+
+    ``mode`` is one of :data:`MODES`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
     began = time.monotonic()
     server = await start_sim_server(
         size_pool(replace(POOL, oom_on_exhaust=oom)), time_model=TimeModel(), seed=seed
     )
-    guard = await Guard.start(server.url) if guarded else None
-    run = Run(pattern, seed, guarded, oom)
+    guard = None
+    if mode != "direct":
+        admission = "projected" if mode == "kvguard_projected" else "off"
+        guard = await Guard.start(server.url, admission=admission)
+    run = Run(pattern, seed, mode, oom)
     pattern_start: float | None = None
     try:
         if guard is not None:
@@ -208,9 +231,9 @@ async def measure(
         before = server.engine.stats.preemptions_total
         pattern_start = time.monotonic()
         run.peak_level = "ok"  # the warm-up's levels do not count
-        report = await _load_until_crash(server, run, url, pattern, seed, pattern_s, pattern_start)
+        report = await _load_until_crash(server, run, url, pattern_s=pattern_s, start=pattern_start)
         run.preemptions = int(server.engine.stats.preemptions_total - before)
-        run.load = load_summary(report)
+        run.load = load_summary(report) if report is not None else {"cut_off_after_crash": True}
     finally:
         if guard is not None:
             _record_guard(guard, run)
@@ -221,42 +244,46 @@ async def measure(
 
 
 async def _load_until_crash(
-    server: SimServer,
-    run: Run,
-    url: str,
-    pattern: str,
-    seed: int,
-    pattern_s: float,
-    start: float,
-) -> LoadReport:
-    """The pattern's load; a crash of the engine ends it at once (the rest would only fail)."""
+    server: SimServer, run: Run, url: str, *, pattern_s: float, start: float
+) -> LoadReport | None:
+    """The pattern's load; a crash of the engine ends it (the rest would only fail).
+
+    None when the load did not stop within ``STOP_WAIT_S`` of the crash and was cut off:
+    on Python 3.11 ``asyncio.wait_for`` swallows a cancellation that arrives as its
+    awaitable completes, and a crash frees every loadgen slot at once, so the loadgen's
+    dispatcher (waiting for a slot) can miss ``stop`` and run on against a dead engine.
+    """
     stop = asyncio.Event()
-
-    async def watch_crash() -> None:
-        await server.crashed.wait()
-        run.crashed_at_s = time.monotonic() - start
-        run.crash_message = "; ".join(server.crash_messages)
-        stop.set()
-
-    watcher = asyncio.ensure_future(watch_crash())
-    try:
-        return await run_load(
+    load = asyncio.ensure_future(
+        run_load(
             LoadConfig(
                 url,
-                pattern=pattern,
+                pattern=run.pattern,
                 duration_s=pattern_s,
                 max_requests=MAX_REQUESTS,
                 concurrency=CONCURRENCY,
-                seed=seed,
+                seed=run.seed,
                 max_context=4096,
                 grace_s=GRACE_S,
             ),
             stop=stop,
         )
+    )
+    crashed = asyncio.ensure_future(server.crashed.wait())
+    try:
+        await asyncio.wait({load, crashed}, return_when=asyncio.FIRST_COMPLETED)
+        if server.crashed.is_set():
+            run.crashed_at_s = time.monotonic() - start
+            run.crash_message = "; ".join(server.crash_messages)
+            stop.set()
+            await asyncio.wait({load}, timeout=STOP_WAIT_S)
+            if not load.done():
+                return None
+        return load.result()
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for task in (load, crashed):
+            task.cancel()
+        await asyncio.gather(load, crashed, return_exceptions=True)
 
 
 def _observe(daemon: Daemon, run: Run, pattern_start: float | None) -> None:
@@ -265,6 +292,19 @@ def _observe(daemon: Daemon, run: Run, pattern_start: float | None) -> None:
     if decision is None or pattern_start is None:
         return  # the warm-up is not part of the measurement
     t = round(time.monotonic() - pattern_start, 2)
+    signals = decision.signals
+    tte = signals.time_to_exhaustion_s
+    run.last_ticks.append(
+        {
+            "t_s": t,
+            "level": decision.level,
+            "pattern": decision.pattern,
+            "kv_usage": _round(signals.kv_usage),
+            "kv_demand": _round(signals.kv_demand),
+            "tte_s": None if tte is None or tte == float("inf") else round(tte, 1),
+        }
+    )
+    del run.last_ticks[:-TICKS_KEPT]
     rank = LEVELS.index(decision.level)
     if rank > LEVELS.index(run.peak_level):
         run.peak_level = decision.level
@@ -272,7 +312,6 @@ def _observe(daemon: Daemon, run: Run, pattern_start: float | None) -> None:
         run.first_high_at_s = t
     changed = decision.level != decision.previous_level
     if (decision.plan or changed) and len(run.timeline) < TIMELINE_KEPT:
-        signals = decision.signals
         run.timeline.append(
             {
                 "t_s": t,
@@ -299,11 +338,10 @@ def _record_guard(guard: Guard, run: Run) -> None:
     if proxy is None:
         return
     counters = proxy.counters
-    shed: Counter[str] = Counter()
-    for (priority, _), n in counters.shed.items():
-        shed[priority] += n
     run.proxy = {
-        "shed": dict(shed),
+        # priority/reason: kv_cache_pressure (the daemon's shed floor) or kv_pool_full
+        # (projected admission waited admission_wait_s for room in vain)
+        "shed": {f"{priority}/{reason}": n for (priority, reason), n in counters.shed.items()},
         "clamped": counters.clamped,
         "rejected": dict(counters.rejected),
         "cancelled": counters.cancelled,
@@ -324,13 +362,17 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
         if not mine:
             continue
         row: dict[str, Any] = {}
-        for mode in ("direct", "kvguard"):
+        for mode in MODES:
+            if not any(r.mode == mode for r in mine):
+                continue
             normal = [r for r in mine if r.mode == mode and not r.oom]
             crash = [r for r in mine if r.mode == mode and r.oom]
             sent = sum(r.load["sent"] for r in normal)
             row[mode] = {
                 "preemptions": [r.preemptions for r in normal],
                 "preemptions_median": _median([r.preemptions for r in normal]),
+                "sent_median": _median([r.load["sent"] for r in normal]),
+                "goodput_median": _median([r.load["goodput"] for r in normal]),
                 "goodput_ratio_median": _median(
                     [r.load["goodput_ratio"] for r in normal if r.load["goodput_ratio"] is not None]
                 ),
@@ -350,7 +392,7 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
 def render(summary: dict[str, Any]) -> str:
     """The summary as a short table."""
     lines = [
-        f"{'pattern':<13} {'mode':<8} {'preempt med':>11} {'goodput':>8} {'shed':>6}"
+        f"{'pattern':<13} {'mode':<17} {'preempt med':>11} {'sent':>6} {'goodput':>12} {'shed':>6}"
         f" {'ttft p99':>9} {'oom crashes':>11}  preemptions per seed"
     ]
     for pattern, row in summary.items():
@@ -359,8 +401,9 @@ def render(summary: dict[str, Any]) -> str:
             shed = m["shed_share"]
             ttft = m["ttft_p99_s_median"]
             lines.append(
-                f"{pattern:<13} {mode:<8} {m['preemptions_median']!s:>11}"
-                f" {'n/a' if goodput is None else f'{goodput:.0%}':>8}"
+                f"{pattern:<13} {mode:<17} {m['preemptions_median']!s:>11}"
+                f" {m['sent_median']!s:>6} {m['goodput_median']!s:>5}"
+                f" {'n/a' if goodput is None else f'({goodput:.0%})':>6}"
                 f" {'n/a' if shed is None else f'{shed:.0%}':>6}"
                 f" {'n/a' if ttft is None else f'{ttft:.2f}s':>9}"
                 f" {m['oom_crashes']:>5}/{m['oom_runs']:<5}  {m['preemptions']}"
@@ -368,18 +411,26 @@ def render(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def main_async(seeds: int, pattern_s: float) -> dict[str, Any]:
+async def main_async(
+    seeds: int, pattern_s: float, crash_pattern_s: float, modes: tuple[str, ...] = DEFAULT_MODES
+) -> dict[str, Any]:
     """Every pattern x seed x mode, normal then crash mode, one after another."""
     runs: list[Run] = []
     for oom in (False, True):
         for pattern in PATTERNS:
             for seed in range(1, seeds + 1):
-                for guarded in (False, True):
-                    run = await measure(pattern, seed, guarded=guarded, oom=oom, pattern_s=pattern_s)
+                for mode in modes:
+                    run = await measure(
+                        pattern,
+                        seed,
+                        mode=mode,
+                        oom=oom,
+                        pattern_s=crash_pattern_s if oom else pattern_s,
+                    )
                     runs.append(run)
                     crash = "" if run.crashed_at_s is None else f" CRASH at {run.crashed_at_s:.2f}s"
                     print(  # noqa: T201 - progress of a long benchmark
-                        f"{pattern} seed {seed} {run.mode:<7} oom={oom!s:<5}"
+                        f"{pattern} seed {seed} {run.mode:<17} oom={oom!s:<5}"
                         f" preemptions {run.preemptions:>4} peak {run.peak_level:<8}"
                         f" sent {run.load.get('sent')} shed {run.load.get('shed')}"
                         f" ({run.wall_s:.0f} s){crash}",
@@ -395,13 +446,15 @@ async def main_async(seeds: int, pattern_s: float) -> dict[str, Any]:
         "load": {
             "warmup_s": WARMUP_S,
             "pattern_s": pattern_s,
+            "crash_mode_pattern_s": crash_pattern_s,
             "concurrency": CONCURRENCY,
             "grace_s": GRACE_S,
             "max_context": 4096,
         },
         "poll": POLL,
+        "modes": list(modes),
         "summary": summarize(runs),
-        "runs": [{**asdict(r), "mode": r.mode} for r in runs],
+        "runs": [asdict(r) for r in runs],
     }
 
 
@@ -410,9 +463,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--pattern-s", type=float, default=PATTERN_S)
+    parser.add_argument("--crash-pattern-s", type=float, default=CRASH_PATTERN_S)
+    parser.add_argument(
+        "--projected",
+        action="store_true",
+        help="also run every pair through kvguard with [proxy] admission = projected",
+    )
     parser.add_argument("--out", default="bench/results/proxy_efficacy.json")
     args = parser.parse_args()
-    result = asyncio.run(main_async(args.seeds, args.pattern_s))
+    modes = MODES if args.projected else DEFAULT_MODES
+    # kvguard logs every shed request and decision: thousands of lines that would bury
+    # the report. The JSON keeps the decision trail (``timeline``) instead.
+    configure_logging("error", "json")
+    result = asyncio.run(main_async(args.seeds, args.pattern_s, args.crash_pattern_s, modes))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(render(result["summary"]))  # noqa: T201 - the benchmark's report
 

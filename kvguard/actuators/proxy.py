@@ -243,15 +243,21 @@ class AdmissionProxy:
         A request fits when every in-flight request's projection (prompt +
         ``max_tokens``, in whole blocks) plus its own stays within
         ``admission_ratio`` of the engine's usable pool. It waits up to
-        ``admission_wait_s`` for others to finish, then is shed. Critical requests,
-        an unknown pool and dry-run always pass. No poll interval stands between a
-        burst and this check: it is what keeps an engine that crashes on exhaustion alive.
+        ``admission_wait_s`` for others to finish, then is shed. Critical requests
+        are never shed: they may use the whole pool (not just ``admission_ratio``)
+        and wait for room as long as ``read_timeout_s`` — letting one in regardless
+        is what would crash an engine that allocates per sequence. An unknown pool
+        and dry-run admit everything. No poll interval stands between a burst and
+        this check: it is what keeps an engine that crashes on exhaustion alive.
         """
         mitigations, settings = self.mitigations, self.settings
         if settings.admission != "projected" or not mitigations.enforcing:
             return True
-        if tracked.priority == "critical" or mitigations.pool_tokens is None:
+        if mitigations.pool_tokens is None:
             return True
+        critical = tracked.priority == "critical"
+        ratio = 1.0 if critical else settings.admission_ratio
+        wait_s = settings.read_timeout_s if critical else settings.admission_wait_s
         if tracked.max_tokens is None:
             tracked.max_tokens = UNKNOWN_MAX_TOKENS  # the engine picks; assume a long answer
         block = mitigations.block_size
@@ -259,14 +265,14 @@ class AdmissionProxy:
 
         def fits() -> bool:
             pool = mitigations.pool_tokens
-            limit = pool * settings.admission_ratio if pool is not None else float("inf")
+            limit = pool * ratio if pool is not None else float("inf")
             return self.inflight.projected_tokens(block) + own <= limit
 
         if fits():
             return True
         try:
             async with self._room:
-                await asyncio.wait_for(self._room.wait_for(fits), settings.admission_wait_s)
+                await asyncio.wait_for(self._room.wait_for(fits), wait_s)
         except (asyncio.TimeoutError, TimeoutError):
             return False
         return True

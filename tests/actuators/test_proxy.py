@@ -359,11 +359,12 @@ async def test_projected_admission_waits_for_room_then_sheds(sim_server, proxy_t
         ) as resp:
             assert resp.status == 503
             assert "KV pool is full" in (await resp.json())["error"]["message"]
-        # Critical requests are never held.
+        # Critical requests are never shed: this one waits for the first to finish.
         async with http.post(
             f"{proxy}/v1/completions", json=completion(400, 5), headers={"X-Priority": "critical"}
         ) as resp:
             assert resp.status == 200
+        assert first.done()
         (await first).close()
     assert state.counters.shed == {("sheddable", "kv_pool_full"): 1}
 

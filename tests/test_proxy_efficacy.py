@@ -1,0 +1,67 @@
+"""kvguard in the request path against the simulator: fewer preemptions; the OOM gap.
+
+The full measurement (5 seeds per pattern, 16 s of each) is bench/proxy_efficacy.py,
+with its results in bench/results/proxy_efficacy.json; this runs seed 1 with shorter
+runs on every CI run and asserts only what the benchmark shows with a wide margin:
+
+* ``long_context``: without kvguard the growing conversations preempt 45-65 times in
+  12 s; through kvguard (critical on time to exhaustion, then standard and sheddable
+  traffic shed) the engine preempts at most a third as often. The benchmark measured
+  0 on 5 of 5 seeds, but kvguard's margin there is timing: the usage sawtooth of
+  conversations between turns can break the 3-tick confirmation, and once critical
+  comes after the pool is full, shedding new turns does not stop the running ones
+  from preempting (seen once, seed 1 with a 4 s warm-up: 126). Hence a third, not zero.
+* ``bursty_short``: the first burst lands before any tick can react, so kvguard cannot
+  spare it; from then on it sheds, and the engine preempts at most half as often as
+  without it (the benchmark: a fifth, median 18 against 101).
+* The crash mode (``oom_on_exhaust``): the first ``bursty_short`` burst crashes the
+  engine in about 0.6 s without kvguard (asserted: it is the benchmark's premise).
+  With ``[proxy]`` at its defaults kvguard does not prevent that crash (5 of 5 seeds
+  crash through it too): the proxy only applies the shed floor the daemon sets once
+  per poll, and the burst is in the engine before that. With ``admission =
+  "projected"`` the proxy holds each request until its projected footprint fits the
+  pool, and the same burst passes with no crash (asserted; seed 1's first burst is
+  134 requests). The benchmark's one crash in 5 (seed 5, a burst of 256) came from
+  critical requests skipping that check; since then they wait for room like the rest
+  (never shed), which closes that path; the benchmark has not been re-run since.
+"""
+
+from __future__ import annotations
+
+from bench.proxy_efficacy import measure
+
+WARMUP_S = 3.0
+
+
+async def test_kvguard_cuts_preemptions_for_long_context():
+    """Seed 1, 12 s: the same conversations preempt far less through kvguard."""
+    direct = await measure("long_context", 1, mode="direct", pattern_s=12.0, warmup_s=WARMUP_S)
+    guarded = await measure("long_context", 1, mode="kvguard", pattern_s=12.0, warmup_s=WARMUP_S)
+    assert direct.preemptions >= 20, "the load never filled the pool: nothing to compare"
+    assert guarded.peak_level in ("high", "critical")
+    assert guarded.preemptions <= direct.preemptions / 3, (direct.preemptions, guarded.timeline)
+
+
+async def test_kvguard_cuts_preemptions_for_bursty_short():
+    """Seed 1, 8 s (two to four bursts): kvguard sheds after the first and preempts less."""
+    direct = await measure("bursty_short", 1, mode="direct", pattern_s=8.0, warmup_s=WARMUP_S)
+    guarded = await measure("bursty_short", 1, mode="kvguard", pattern_s=8.0, warmup_s=WARMUP_S)
+    assert direct.preemptions >= 20, "the bursts never filled the pool: nothing to compare"
+    assert sum(guarded.proxy["shed"].values()) > 0
+    assert guarded.preemptions <= direct.preemptions / 2, (direct.preemptions, guarded.timeline)
+
+
+async def test_an_oom_burst_crashes_the_engine_without_kvguard():
+    """With ``oom_on_exhaust`` the first burst crashes the engine within a second."""
+    run = await measure("bursty_short", 1, mode="direct", oom=True, pattern_s=3.0, warmup_s=2.0)
+    assert run.crashed_at_s is not None
+    assert run.crashed_at_s < 2.0
+
+
+async def test_projected_admission_keeps_the_oom_engine_alive_through_the_burst():
+    """Through kvguard with ``admission = "projected"`` the same burst crashes nothing."""
+    run = await measure(
+        "bursty_short", 1, mode="kvguard_projected", oom=True, pattern_s=3.0, warmup_s=2.0
+    )
+    assert run.crashed_at_s is None, run.crash_message
+    assert run.load["succeeded"] > 0
