@@ -163,7 +163,9 @@ class AdmissionProxy:
         priority = self.priority_of(request.headers)
         if self.mitigations.sheds(priority):
             self.counters.shed[(priority, "kv_cache_pressure")] += 1
-            log.info(
+            # One line per shed request would flood the log in a burst: debug level;
+            # kvguard_requests_shed_total and the `decision` event tell the story.
+            log.debug(
                 "request_shed",
                 request_id=request_id,
                 priority=priority,
@@ -224,7 +226,9 @@ class AdmissionProxy:
         tracked = InflightRequest(request_id, priority, prompt, max_tokens)
         if not await self._make_room(tracked):
             self.counters.shed[(priority, "kv_pool_full")] += 1
-            log.info(
+            # One line per shed request would flood the log in a burst: debug level;
+            # kvguard_requests_shed_total and the `decision` event tell the story.
+            log.debug(
                 "request_shed", request_id=request_id, priority=priority, reason="kv_pool_full"
             )
             return _error(
