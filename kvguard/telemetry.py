@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import structlog
 from prometheus_client.core import (
@@ -223,12 +224,12 @@ class DaemonCollector(Collector):
 
     def _brain_metrics(self) -> Iterator[Metric]:
         brain = self.daemon.brain
-        decisions = CounterMetricFamily(
-            "kvguard_decisions", "Actions decided, by action and mode.", labels=["action", "mode"]
+        yield _counter(
+            "kvguard_decisions",
+            "Actions decided, by action and mode.",
+            ["action", "mode"],
+            brain.counts,
         )
-        for (action, mode), count in sorted(brain.counts.items()):
-            decisions.add_metric([action, mode], count)
-        yield decisions
         fc, decision, pattern = brain.forecast, brain.decision, brain.pattern
         if fc is not None:
             tte = GaugeMetricFamily(
@@ -308,34 +309,44 @@ class DaemonCollector(Collector):
             family = HistogramMetricFamily(name, doc)
             family.add_metric([], hist.cumulative(), sum_value=hist.total)
             yield family
-        shed = CounterMetricFamily(
-            "kvguard_requests_shed", "Requests shed by the proxy.", labels=["priority", "reason"]
+        yield _counter(
+            "kvguard_requests_shed",
+            "Requests shed by the proxy.",
+            ["priority", "reason"],
+            counters.shed,
         )
-        for (priority, reason), count in sorted(counters.shed.items()):
-            shed.add_metric([priority, reason], count)
-        yield shed
         yield CounterMetricFamily(
             "kvguard_requests_clamped",
             "Requests whose max_tokens was lowered.",
             value=counters.clamped,
         )
-        rejected = CounterMetricFamily(
-            "kvguard_requests_rejected", "Requests refused by the window cap.", labels=["reason"]
+        yield _counter(
+            "kvguard_requests_rejected",
+            "Requests refused by the window cap.",
+            ["reason"],
+            counters.rejected,
         )
-        for reason, count in sorted(counters.rejected.items()):
-            rejected.add_metric([reason], count)
-        yield rejected
         yield CounterMetricFamily(
             "kvguard_requests_cancelled",
             "Requests cancelled to free KV cache.",
             value=counters.cancelled,
         )
-        errors = CounterMetricFamily(
-            "kvguard_proxy_errors", "Proxy answers of its own: 413, 502, 504.", labels=["code"]
+        yield _counter(
+            "kvguard_proxy_errors",
+            "Proxy answers of its own: 413, 502, 504.",
+            ["code"],
+            counters.upstream_errors,
         )
-        for code, count in sorted(counters.upstream_errors.items()):
-            errors.add_metric([code], count)
-        yield errors
+
+
+def _counter(
+    name: str, doc: str, labels: list[str], counts: Mapping[Any, float]
+) -> CounterMetricFamily:
+    """A labelled counter family from a Counter keyed by one label value or a tuple of them."""
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for key, count in sorted(counts.items()):
+        family.add_metric(list(key) if isinstance(key, tuple) else [key], count)
+    return family
 
 
 def daemon_registry(daemon: Daemon) -> CollectorRegistry:

@@ -19,8 +19,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from kvguard.histogram import Histogram
 from kvguard.sim.engine import SimEngine
-from kvguard.sim.stats import Histogram
 
 Flavor = Literal["vllm", "sglang", "llamacpp"]
 FLAVORS: tuple[Flavor, ...] = ("vllm", "sglang", "llamacpp")
