@@ -141,8 +141,13 @@ class Guard:
         self.loop: asyncio.Future[None] | None = None
 
     @classmethod
-    async def start(cls, engine_url: str, *, admission: str = "off") -> Guard:
-        """Build the daemon and proxy as ``kvguard run`` does with ``[proxy] enabled``."""
+    async def start(
+        cls, engine_url: str, *, admission: str = "off", policy: dict[str, Any] | None = None
+    ) -> Guard:
+        """Build the daemon and proxy as ``kvguard run`` does with ``[proxy] enabled``.
+
+        ``policy`` is a ``[policy]`` table to use instead of the defaults.
+        """
         for attempt in range(5):  # the free port can be taken between probe and bind
             address = f"127.0.0.1:{free_port()}"
             config = parse_config(
@@ -150,6 +155,7 @@ class Guard:
                     "engine": {"url": engine_url},
                     "poll": POLL,
                     "proxy": {"enabled": True, "listen": address, "admission": admission},
+                    "policy": policy or {},
                 },
                 env={},
             )
@@ -194,6 +200,7 @@ async def measure(
     oom: bool = False,
     pattern_s: float = PATTERN_S,
     warmup_s: float = WARMUP_S,
+    policy: dict[str, Any] | None = None,
 ) -> Run:
     """One run of ``pattern``/``seed`` at a fresh engine, directly or through kvguard.
 
@@ -208,7 +215,7 @@ async def measure(
     guard = None
     if mode != "direct":
         admission = "projected" if mode == "kvguard_projected" else "off"
-        guard = await Guard.start(server.url, admission=admission)
+        guard = await Guard.start(server.url, admission=admission, policy=policy)
     run = Run(pattern, seed, mode, oom)
     pattern_start: float | None = None
     try:

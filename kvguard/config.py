@@ -160,6 +160,8 @@ class ProxyConfig:
     admission: str = "off"  # "projected": admit against the engine's pool, no poll delay
     admission_ratio: float = 0.95
     admission_wait_s: float = 5.0
+    shed_ratio: float = 0.8  # while shedding, a shed class still fills the pool up to this
+    shed_wait_s: float = 2.0  # ... held this long at most for room, then 503
 
 
 @dataclass(frozen=True)
@@ -314,6 +316,8 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "admission": choice(("off", "projected")),
         "admission_ratio": number(0.0, 1.0),
         "admission_wait_s": number(0.0, 600.0, low_open=False),
+        "shed_ratio": number(0.0, 1.0, low_open=False),
+        "shed_wait_s": number(0.0, 600.0, low_open=False),
     },
 }
 _RENAMED = {("gpu", "memory"): "memory_bytes"}

@@ -180,6 +180,8 @@ def make_proxy(config: Config, daemon: Daemon) -> AdmissionProxy:
         admission=proxy.admission,
         admission_ratio=proxy.admission_ratio,
         admission_wait_s=proxy.admission_wait_s,
+        shed_ratio=proxy.shed_ratio,
+        shed_wait_s=proxy.shed_wait_s,
     )
     per_token = budget.budget.kv_bytes_per_token_per_gpu if budget is not None else None
     return AdmissionProxy(settings, daemon.mitigations, bytes_per_token=per_token)

@@ -220,6 +220,7 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
         "listen": proxy.settings.listen,
         "upstream": proxy.settings.upstream,
         "inflight_requests": len(proxy.inflight),
+        "waiting_requests": proxy.waiting,
         "inflight_kv_tokens": proxy.inflight.total_tokens,
         # Ids and sizes only: prompt text never leaves the request path.
         "top_inflight": [

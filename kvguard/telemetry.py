@@ -288,6 +288,11 @@ class DaemonCollector(Collector):
             "Requests in flight through the proxy.",
             value=len(inflight),
         )
+        yield GaugeMetricFamily(
+            "kvguard_waiting_requests",
+            "Requests the proxy holds until they fit the engine's pool.",
+            value=proxy.waiting,
+        )
         tokens = inflight.total_tokens
         yield GaugeMetricFamily(
             "kvguard_inflight_kv_tokens", "KV tokens held by requests in flight.", value=tokens

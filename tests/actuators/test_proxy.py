@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import math
 import socket
 
 import aiohttp
@@ -12,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from kvguard.actuators.mitigations import Mitigations
-from kvguard.actuators.proxy import AdmissionProxy, ProxySettings, _error
+from kvguard.actuators.proxy import HELD_POOLS, AdmissionProxy, ProxySettings, _error
 from kvguard.model.policy import Action
 
 
@@ -409,3 +410,102 @@ async def test_projected_admission_keeps_an_oom_engine_alive(sim_server, proxy_t
             a.close()
     assert not server.crashed.is_set()
     assert statuses == [200] * 30
+
+
+async def _until(condition, *, limit_s: float = 5.0) -> None:
+    """Poll a real server's state until ``condition()`` holds (fails after ``limit_s``)."""
+    for _ in range(int(limit_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+async def test_shedding_admits_what_fits_and_sheds_only_the_excess(sim_server, proxy_to):
+    """Shedding 'standard': a request that fits shed_ratio of the pool passes; the excess waits."""
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.005)
+    mitigations = Mitigations(shed_floor="standard", level="critical", pool_tokens=1000)
+    proxy, state = await proxy_to(server.url, mitigations, shed_ratio=1.0, shed_wait_s=0.3)
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.ensure_future(
+            http.post(f"{proxy}/v1/completions", json=completion(400, 300))
+        )
+        await _until(lambda: len(state.inflight) == 1)
+        # 704 tokens projected in flight: another 704 does not fit 1,000; held, then shed.
+        second = asyncio.ensure_future(
+            http.post(f"{proxy}/v1/completions", json=completion(400, 300))
+        )
+        await _until(lambda: state.waiting == 1)
+        async with await second as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "kv_cache_pressure"
+        assert state.waiting == 0
+        async with await first as resp:
+            assert resp.status == 200
+    assert state.counters.shed == {("standard", "kv_cache_pressure"): 1}
+
+
+async def test_a_held_request_is_admitted_when_room_frees(sim_engine, proxy_to):
+    """Held requests of a shed class go in one by one as room frees, none shed."""
+    upstream = await sim_engine(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.0005)
+    mitigations = Mitigations(shed_floor="sheddable", level="high", pool_tokens=1000)
+    proxy, state = await proxy_to(upstream, mitigations, shed_ratio=1.0, shed_wait_s=20)
+    async with aiohttp.ClientSession() as http:
+        results = await asyncio.gather(
+            *(
+                http.post(
+                    f"{proxy}/v1/completions",
+                    json=completion(400, 200),
+                    headers={"X-Priority": "sheddable"},
+                )
+                for _ in range(3)
+            )
+        )
+        statuses = [r.status for r in results]
+        for r in results:
+            r.close()
+    assert statuses == [200, 200, 200]
+    assert not state.counters.shed
+
+
+@pytest.mark.parametrize(
+    ("pool_tokens", "shed_ratio"), [(None, 0.8), (100_000, 0.0)], ids=["unknown-pool", "ratio-0"]
+)
+async def test_the_whole_class_is_shed_at_once(sim_engine, proxy_to, pool_tokens, shed_ratio):
+    """With no pool to measure against, or shed_ratio 0, a shed class gets 503 without waiting."""
+    upstream = await sim_engine(kv_capacity_tokens=8192, max_model_len=2048)
+    mitigations = Mitigations(shed_floor="standard", level="critical", pool_tokens=pool_tokens)
+    proxy, state = await proxy_to(upstream, mitigations, shed_ratio=shed_ratio, shed_wait_s=600)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{proxy}/v1/completions", json=completion(5, 3)) as resp,
+    ):
+        assert resp.status == 503  # at once: a wait of 600 s would time the test out
+    assert state.counters.shed == {("standard", "kv_cache_pressure"): 1}
+
+
+async def test_held_requests_are_bounded(sim_server, proxy_to):
+    """Once HELD_POOLS pools' worth of requests is held, more of a shed class get 503 at once."""
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.01)
+    mitigations = Mitigations(shed_floor="standard", level="critical", pool_tokens=1000)
+    proxy, state = await proxy_to(server.url, mitigations, shed_ratio=1.0, shed_wait_s=1.0)
+    async with aiohttp.ClientSession() as http:
+
+        def post() -> asyncio.Future:
+            return asyncio.ensure_future(
+                http.post(f"{proxy}/v1/completions", json=completion(400, 300))
+            )
+
+        first = post()
+        await _until(lambda: len(state.inflight) == 1)
+        # Each holds 704 projected tokens: enough of them reach HELD_POOLS x 1,000.
+        held = [post() for _ in range(math.ceil(HELD_POOLS * 1000 / 704))]
+        await _until(lambda: state.waiting == len(held))
+        async with await post() as resp:
+            assert resp.status == 503
+            assert state.waiting == len(held)  # answered while the others were still held
+        for answer in await asyncio.gather(*held):
+            assert answer.status == 503  # the first holds the pool for 3 s; the wait is 1 s
+            answer.close()
+        (await first).close()
+    assert state.counters.shed == {("standard", "kv_cache_pressure"): len(held) + 1}
