@@ -71,6 +71,7 @@ class InflightRequest:
     generated: int = 0
     cancel: Callable[[], None] | None = field(default=None, repr=False)
     cancelled: bool = False
+    cancel_reason: str | None = None  # largest, drain
 
     @property
     def footprint_tokens(self) -> int:

@@ -14,6 +14,7 @@ the target is always ``upstream + path``, and redirects are not followed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections import Counter
@@ -63,6 +64,10 @@ USAGE_SCAN_BYTES = 1024 * 1024  # whole answers are read for `usage` up to this 
 CANCEL_MESSAGE = (
     "kvguard cancelled this request to free KV cache for others (the cache is full); retry later"
 )
+DRAIN_MESSAGE = (
+    "kvguard cancelled this request: the engine is restarting to change its KV cache"
+    " and the request did not finish within the drain timeout; retry later"
+)
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,8 @@ class ProxyCounters:
         self.shed: Counter[tuple[str, str]] = Counter()  # (priority, reason)
         self.clamped = 0
         self.rejected: Counter[str] = Counter()  # reason
-        self.cancelled = 0
+        # reason: largest, drain (both present from the start: 0 is not absent)
+        self.cancelled: Counter[str] = Counter({"largest": 0, "drain": 0})
         self.upstream_errors: Counter[str] = Counter()  # 502/504/413
 
 
@@ -118,7 +124,10 @@ class AdmissionProxy:
         self._tokenize_ok = True
         self._session: aiohttp.ClientSession | None = None
         self._upstream = settings.upstream.rstrip("/")
-        self._room = asyncio.Condition()
+        # Set (and replaced) whenever a request finishes: waiters re-check for room.
+        # No Condition: on 3.11, wait_for() timing out a Condition.wait can leave the
+        # lock released under `async with`, which then raises.
+        self._room_freed = asyncio.Event()
         self._held_tokens = 0  # projections of shed-class requests held for room
         self.waiting = 0  # requests waiting for room in the pool (held or projected admission)
         mitigations.cancel_largest = self.cancel_largest
@@ -172,6 +181,17 @@ class AdmissionProxy:
         self, request: web.Request, body: bytes, request_id: str
     ) -> web.StreamResponse | tuple[bytes, InflightRequest | None]:
         priority = self.priority_of(request.headers)
+        if self.mitigations.draining and self.mitigations.enforcing:
+            # Every class, critical too: the engine is about to restart.
+            self.counters.shed[(priority, "draining")] += 1
+            return _error(
+                503,
+                "kvguard is restarting the engine to change its KV cache; retry after"
+                f" {self.mitigations.drain_retry_after_s} s",
+                "server_overloaded",
+                code="kv_cache_reconfigure",
+                headers={"Retry-After": str(self.mitigations.drain_retry_after_s)},
+            )
         shed_class = self.mitigations.sheds(priority)
         # Cheap, before anything is parsed, so a flood of shed requests stays cheap: no
         # pool to measure against, or already HELD_POOLS pools' worth of requests held.
@@ -302,15 +322,19 @@ class AdmissionProxy:
         """Wait up to ``wait_s`` for ``fits()`` (re-checked as requests finish)."""
         if fits():
             return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
         self.waiting += 1
         try:
-            async with self._room:
-                await asyncio.wait_for(self._room.wait_for(fits), wait_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            return False
+            while not fits():
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                    await asyncio.wait_for(self._room_freed.wait(), left)
+            return True
         finally:
             self.waiting -= 1
-        return True
 
     async def _make_room(self, tracked: InflightRequest) -> bool:
         """With ``admission = "projected"``, wait until the request fits the pool.
@@ -441,8 +465,9 @@ class AdmissionProxy:
                     upstream.close()
             if tracked is not None:
                 self.inflight.done(tracked)
-                async with self._room:
-                    self._room.notify_all()  # a waiting request may fit now
+                # A waiting request may fit now: wake them all, arm a new event.
+                self._room_freed.set()
+                self._room_freed = asyncio.Event()
 
     async def _relay(
         self,
@@ -460,7 +485,12 @@ class AdmissionProxy:
             except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError):
                 if tracked is not None and tracked.cancelled:
                     return _error(
-                        503, CANCEL_MESSAGE, "server_overloaded", code="kv_cache_pressure"
+                        503,
+                        _cancel_message(tracked),
+                        "server_overloaded",
+                        code=_cancel_code(tracked),
+                        # Without it, SDK clients resubmit the same large request at once.
+                        headers={"Retry-After": str(self.mitigations.retry_after_s)},
                     )
                 self.counters.upstream_errors["502"] += 1
                 return _error(502, "the engine closed the connection", "upstream_error")
@@ -484,7 +514,7 @@ class AdmissionProxy:
                     kept += chunk[: USAGE_SCAN_BYTES - len(kept)]
         except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError) as exc:
             if streaming and tracked is not None and tracked.cancelled:
-                await _stream_error(response, CANCEL_MESSAGE, code="kv_cache_pressure")
+                await _stream_error(response, _cancel_message(tracked), code=_cancel_code(tracked))
             elif streaming:
                 await _stream_error(response, f"the engine stream broke: {type(exc).__name__}")
             return response
@@ -504,16 +534,37 @@ class AdmissionProxy:
         victim = self.inflight.largest()
         if victim is None or victim.cancel is None:
             return False
+        self._cancel(victim, "largest")
+        return True
+
+    def cancel_all(self, reason: str = "drain") -> int:
+        """Cut every in-flight request, critical ones too (the engine is about to restart)."""
+        victims = [r for r in self.inflight if r.cancel is not None and not r.cancelled]
+        for victim in victims:
+            self._cancel(victim, reason)
+        return len(victims)
+
+    def _cancel(self, victim: InflightRequest, reason: str) -> None:
+        assert victim.cancel is not None  # noqa: S101 - callers pick cancellable requests
         victim.cancelled = True
+        victim.cancel_reason = reason
         victim.cancel()
-        self.counters.cancelled += 1
+        self.counters.cancelled[reason] += 1
         log.warning(
             "request_cancelled",
             request_id=victim.request_id,
             priority=victim.priority,
             kv_tokens=victim.footprint_tokens,
+            reason=reason,
         )
-        return True
+
+
+def _cancel_message(tracked: InflightRequest) -> str:
+    return DRAIN_MESSAGE if tracked.cancel_reason == "drain" else CANCEL_MESSAGE
+
+
+def _cancel_code(tracked: InflightRequest) -> str:
+    return "kv_cache_reconfigure" if tracked.cancel_reason == "drain" else "kv_cache_pressure"
 
 
 def _forward_headers(incoming: Mapping[str, str]) -> CIMultiDict[str]:
