@@ -1,0 +1,93 @@
+"""The start flags that set an engine's KV-cache data type, per engine kind.
+
+Engines take the KV dtype at start only (../shared/ENGINES.md), so switching to fp8
+means restarting with a different command line. :func:`with_kv_dtype` rewrites an
+argv: it drops whatever KV-dtype flags the command had and appends the ones for the
+wanted dtype. Pure functions; nothing here runs a process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvguard.errors import InvalidInputError
+from kvguard.model.units import DTYPE_BYTES
+
+# The fp8 (8-bit) KV cache flags of each engine. SGLang and TGI take e5m2 without
+# calibrated scales; vLLM's "fp8" is e4m3 with scale 1.0 unless the checkpoint has
+# scales; llama.cpp quantizes K and V separately (q8_0: 8-bit blocks with a scale).
+FP8_FLAGS: Mapping[str, tuple[str, ...]] = {
+    "vllm": ("--kv-cache-dtype", "fp8"),
+    "sglang": ("--kv-cache-dtype", "fp8_e5m2"),
+    "tgi": ("--kv-cache-dtype", "fp8_e5m2"),
+    "llamacpp": ("--cache-type-k", "q8_0", "--cache-type-v", "q8_0"),
+}
+# The flags (long and short spellings) that carry a KV dtype, per kind; each takes
+# one value, as "--flag value" or "--flag=value".
+DTYPE_FLAGS: Mapping[str, frozenset[str]] = {
+    "vllm": frozenset({"--kv-cache-dtype"}),
+    "sglang": frozenset({"--kv-cache-dtype"}),
+    "tgi": frozenset({"--kv-cache-dtype"}),
+    "llamacpp": frozenset({"--cache-type-k", "--cache-type-v", "-ctk", "-ctv"}),
+}
+# What each engine reports as its cache dtype after an fp8 start, where it reports one.
+FP8_DTYPE: Mapping[str, str] = {"vllm": "fp8", "sglang": "fp8_e5m2", "tgi": "fp8_e5m2"}
+
+
+def supports_fp8(kind: str | None) -> bool:
+    """Whether kvguard knows how to start ``kind`` with an fp8 KV cache."""
+    return kind in FP8_FLAGS
+
+
+def fp8_flags(kind: str) -> tuple[str, ...]:
+    """The flags that start ``kind`` with an 8-bit KV cache."""
+    if kind not in FP8_FLAGS:
+        raise InvalidInputError(
+            "engine kind",
+            kind,
+            f"kvguard can switch the KV dtype of {', '.join(sorted(FP8_FLAGS))} only"
+            " (TensorRT-LLM builds the dtype into its engine)",
+        )
+    return FP8_FLAGS[kind]
+
+
+def without_kv_dtype(argv: Sequence[str], kind: str) -> list[str]:
+    """``argv`` without its KV-dtype flags (and their values)."""
+    flags = DTYPE_FLAGS.get(kind, frozenset())
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name, eq, _ = arg.partition("=")
+        if name in flags:
+            skip = not eq  # "--flag value": the next argument is the value
+            continue
+        out.append(arg)
+    return out
+
+
+def with_fp8(argv: Sequence[str], kind: str) -> list[str]:
+    """``argv`` rewritten to start ``kind`` with an 8-bit KV cache."""
+    return [*without_kv_dtype(argv, kind), *fp8_flags(kind)]
+
+
+def kv_dtype_of(argv: Sequence[str], kind: str) -> str:
+    """The KV dtype ``argv`` asks for ("auto" when it names none)."""
+    flags = DTYPE_FLAGS.get(kind, frozenset())
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            if eq:
+                return value
+            return argv[i + 1] if i + 1 < len(argv) else "auto"
+    return "auto"
+
+
+def is_8bit(dtype: str | None) -> bool:
+    """Whether ``dtype`` (as an engine names it) stores the KV cache in 8 bits or fewer."""
+    if dtype is None:
+        return False
+    width = DTYPE_BYTES.get(dtype.strip().lower())
+    return width is not None and width <= 1

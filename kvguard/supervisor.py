@@ -1,0 +1,200 @@
+"""Supervisor mode: kvguard launches the engine as its child and owns its life.
+
+``kvguard run --config F -- <engine command…>`` starts the command (an argv; never a
+shell), passes its output through to kvguard's stderr line by line, and watches it:
+
+* an exit kvguard did not ask for is a crash: it is counted
+  (``kvguard_engine_restarts_total{reason="crash"|"oom"}``), and the engine is started
+  again after a backoff that doubles per crash in a row (1 s … 60 s), reset once the
+  engine has stayed up for a minute;
+* a CUDA out-of-memory in its output (PyTorch's ``OutOfMemoryError``, CUDA's
+  ``out of memory``, cuBLAS allocation failures) marks the crash as ``oom`` and counts
+  ``kvguard_engine_oom_total`` even when the engine survives it;
+* :meth:`Supervisor.restart` replaces the command (the fp8 switch) and
+  :meth:`Supervisor.stop` ends the child at kvguard's own shutdown: SIGTERM, then
+  SIGKILL after ``stop_timeout_s``. The engine never outlives kvguard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import IO, Any
+
+import structlog
+
+from kvguard.errors import KvguardError
+
+log = structlog.get_logger("kvguard.supervisor")
+
+# What engines print when the GPU runs out (PyTorch, CUDA runtime, cuBLAS, ggml).
+OOM_PATTERNS = re.compile(
+    r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory"
+    r"|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED"
+    r"|ggml_backend_cuda_buffer_type_alloc_buffer: allocating .* failed",
+    re.IGNORECASE,
+)
+BACKOFF_MAX_S = 60.0
+STABLE_AFTER_S = 60.0  # up this long: the next crash starts the backoff afresh
+OOM_RECENT_S = 30.0  # an OOM line this close to an exit makes it an OOM exit
+
+EventSink = Callable[[str, dict[str, Any]], None]
+
+
+class Supervisor:
+    """One engine process: started, watched, restarted on a crash, stopped with kvguard."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        stop_timeout_s: float = 30.0,
+        backoff_s: float = 1.0,
+        on_event: EventSink | None = None,
+        output: IO[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        if not argv:
+            raise KvguardError("the engine command is empty: give it after `--`")
+        self.argv: list[str] = list(argv)
+        self.stop_timeout_s = stop_timeout_s
+        self.backoff_s = backoff_s
+        self.on_event = on_event or (lambda _event, _fields: None)
+        self.output = output if output is not None else sys.stderr
+        self.clock = clock
+        self.sleep = sleep
+        self.restarts: Counter[str] = Counter()  # reason: crash, oom, reconfigure
+        self.ooms = 0
+        self.last_exit_code: int | None = None
+        self._process: asyncio.subprocess.Process | None = None
+        self._watchers: list[asyncio.Task[None]] = []
+        self._pumps: list[asyncio.Task[None]] = []
+        self._expected: set[int] = set()  # ids of processes kvguard itself stopped
+        self._closing = False
+        self._started_at = 0.0
+        self._last_oom_at: float | None = None
+        self._crashes_in_a_row = 0
+
+    @property
+    def pid(self) -> int | None:
+        """The engine's PID while it runs."""
+        process = self._process
+        return process.pid if process is not None and process.returncode is None else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine process is alive."""
+        return self.pid is not None
+
+    async def start(self) -> None:
+        """Start the engine; raises :class:`KvguardError` when the command cannot run."""
+        await self._spawn()
+
+    async def restart(self, argv: Sequence[str]) -> None:
+        """Stop the engine and start ``argv`` in its place; raises when it cannot start."""
+        self.argv = list(argv)
+        self.restarts["reconfigure"] += 1
+        await self._terminate()
+        await self._spawn()
+        self.on_event("engine_restarted", {"reason": "reconfigure", "pid": self.pid})
+
+    async def stop(self) -> None:
+        """End the engine for good: SIGTERM, then SIGKILL after ``stop_timeout_s``."""
+        self._closing = True
+        await self._terminate()
+        tasks = [*self._watchers, *self._pumps]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ internals
+    async def _spawn(self) -> None:
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C to kvguard's terminal is kvguard's to pass on
+            )
+        except OSError as exc:
+            raise KvguardError(f"cannot start the engine {self.argv[0]!r}: {exc.strerror}") from exc
+        self._process = process
+        self._started_at = self.clock()
+        assert process.stdout is not None  # noqa: S101 - asked for a pipe
+        self._pumps = [p for p in self._pumps if not p.done()]
+        self._pumps.append(asyncio.ensure_future(self._pump(process.stdout)))
+        self._watchers = [w for w in self._watchers if not w.done()]
+        self._watchers.append(asyncio.ensure_future(self._watch(process)))
+        log.info("engine_started", pid=process.pid, argv=self.argv)
+
+    async def _pump(self, stream: asyncio.StreamReader) -> None:
+        """Pass the engine's output through, line by line, and look for OOMs in it."""
+        while True:
+            try:
+                line = await stream.readline()
+            except (ValueError, asyncio.LimitOverrunError):  # an over-long line: skip it
+                continue
+            if not line:
+                return
+            text = line.decode("utf-8", "replace")
+            with contextlib.suppress(OSError, ValueError):
+                self.output.write(text)
+                self.output.flush()
+            if OOM_PATTERNS.search(text):
+                self.ooms += 1
+                self._last_oom_at = self.clock()
+                log.error("engine_oom", pid=self.pid, line=text.strip()[:300])
+                self.on_event("engine_oom", {"pid": self.pid, "line": text.strip()[:300]})
+
+    async def _terminate(self) -> None:
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        self._expected.add(id(process))
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), self.stop_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            log.warning("engine_killed", pid=process.pid, after_s=self.stop_timeout_s)
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+        self.last_exit_code = process.returncode
+
+    async def _watch(self, process: asyncio.subprocess.Process) -> None:
+        """Restart the engine when ``process`` exits without being asked to."""
+        code = await process.wait()
+        if self._closing or id(process) in self._expected or process is not self._process:
+            self._expected.discard(id(process))
+            return
+        now = self.clock()
+        self.last_exit_code = code
+        oom = self._last_oom_at is not None and now - self._last_oom_at <= OOM_RECENT_S
+        reason = "oom" if oom else "crash"
+        self.restarts[reason] += 1
+        if now - self._started_at >= STABLE_AFTER_S:
+            self._crashes_in_a_row = 0
+        log.error("engine_crashed", exit_code=code, reason=reason)
+        self.on_event("engine_restarted", {"reason": reason, "exit_code": code})
+        while not self._closing:
+            delay = min(BACKOFF_MAX_S, self.backoff_s * 2**self._crashes_in_a_row)
+            self._crashes_in_a_row += 1
+            await self.sleep(delay)
+            if self._closing or self._process is not process:
+                return  # stopped, or a reconfigure started another meanwhile
+            try:
+                await self._spawn()
+            except KvguardError as exc:
+                # Keep trying after the next backoff rather than giving the engine up.
+                log.error("engine_restart_failed", error=str(exc))  # noqa: TRY400 - one line says it
+                continue
+            return

@@ -1,0 +1,261 @@
+"""The fp8 KV switch against a real simulated engine that kvguard supervises.
+
+The engine runs as a child process (``kvguard sim-engine``), kvguard's proxy sits in
+front of it, and the switch drains the proxy, restarts the child with
+``--kv-cache-dtype fp8`` and checks what the engine reports afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvguard.actuators.drain import ProxyDrain
+from kvguard.actuators.mitigations import Mitigations
+from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
+from kvguard.actuators.reconfigure import (
+    CommandRestarter,
+    Reconfigurer,
+    ReconfigureTimes,
+    SupervisorRestarter,
+    SystemdRestarter,
+    engine_environment,
+)
+from kvguard.daemon_cli import listen
+from kvguard.probes.engine import EngineProbe
+from kvguard.supervisor import Supervisor
+
+POOL_TOKENS = 4096
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def sim_command(port: int) -> list[str]:
+    """``kvguard sim-engine`` as a child process: vLLM flavor, a small pool, slow steps."""
+    return [
+        *(sys.executable, "-m", "kvguard.cli", "sim-engine", "--port", str(port)),
+        *("--kv-capacity-tokens", str(POOL_TOKENS), "--max-model-len", "2048"),
+        *("--step-time", "0.01", "--token-time", "0.00001"),
+    ]
+
+
+class Rig:
+    """A supervised sim engine, a probe on it, and kvguard's proxy in front."""
+
+    def __init__(self, supervisor: Supervisor, probe: EngineProbe, proxy: AdmissionProxy) -> None:
+        self.supervisor = supervisor
+        self.probe = probe
+        self.proxy = proxy
+        self.proxy_url = ""
+        self.mitigations = proxy.mitigations
+
+    def switch(self, kind: str = "vllm", **times: float) -> Reconfigurer:
+        return Reconfigurer(
+            SupervisorRestarter(self.supervisor, kind),
+            ProxyDrain(self.proxy, self.mitigations),
+            engine_stats=self.probe.sample,
+            times=ReconfigureTimes(**times),
+        )
+
+    async def healthy(self, limit_s: float = 30.0) -> int:
+        """Wait until the engine answers; its KV capacity in tokens."""
+        for _ in range(int(limit_s / 0.1)):
+            try:
+                stats = await self.probe.sample()
+            except Exception:  # noqa: BLE001 - starting up: not answering yet
+                stats = None
+            if stats is not None and stats.up and stats.kv_capacity_tokens:
+                return stats.kv_capacity_tokens
+            await asyncio.sleep(0.1)
+        raise AssertionError("the engine never became healthy")
+
+
+@pytest.fixture
+async def rig():
+    """Start the rig; stop the engine and the proxy afterwards, whatever happened."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    supervisor = Supervisor(sim_command(port), output=io.StringIO(), stop_timeout_s=5)
+    probe = EngineProbe(url, timeout_s=2.0)
+    proxy = AdmissionProxy(ProxySettings(upstream=url), Mitigations())
+    runner = None
+    await supervisor.start()
+    try:
+        address = f"127.0.0.1:{free_port()}"
+        runner = await listen(proxy.app(), address, cancel=True)
+        setup = Rig(supervisor, probe, proxy)
+        setup.proxy_url = f"http://{address}"
+        yield setup
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await probe.close()
+        await supervisor.stop()
+
+
+def _stream(max_tokens: int) -> dict:
+    return {"prompt": "hello " * 20, "max_tokens": max_tokens, "stream": True}
+
+
+async def _until(condition, *, limit_s: float = 10.0) -> None:
+    for _ in range(int(limit_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition never held")
+
+
+async def test_switch_drains_restarts_with_fp8_and_reverts(rig: Rig):
+    """In flight finishes; new requests get 503 meanwhile; the pool doubles, then comes back."""
+    capacity = await rig.healthy()
+    reconfigurer = rig.switch(drain_timeout_s=20, start_timeout_s=30)
+    async with aiohttp.ClientSession() as http:
+        running = asyncio.ensure_future(
+            http.post(f"{rig.proxy_url}/v1/completions", json=_stream(60))
+        )
+        await _until(lambda: len(rig.proxy.inflight) == 1)
+        switch = asyncio.ensure_future(reconfigurer.switch(fp8=True))
+        await _until(lambda: rig.mitigations.draining)
+        async with http.post(
+            f"{rig.proxy_url}/v1/completions", json=_stream(5), headers={"X-Priority": "critical"}
+        ) as refused:
+            assert refused.status == 503
+            assert "Retry-After" in refused.headers
+            assert (await refused.json())["error"]["code"] == "kv_cache_reconfigure"
+        async with await running as answer:
+            assert answer.status == 200
+            body = await answer.text()
+        assert body.rstrip().endswith("data: [DONE]")  # finished whole within the drain
+        result = await switch
+    assert result.result == "succeeded", result.detail
+    assert result.cancelled == 0
+    assert result.cache_dtype == "fp8"
+    assert not rig.mitigations.draining  # re-admitting
+    assert await rig.healthy() == 2 * capacity
+    assert "--kv-cache-dtype" in rig.supervisor.argv
+
+    back = await reconfigurer.switch(fp8=False)
+    assert back.result == "succeeded", back.detail
+    assert await rig.healthy() == capacity
+    assert reconfigurer.results[("kv_fp8", "succeeded")] == 1
+    assert reconfigurer.results[("revert_kv_fp8", "succeeded")] == 1
+    assert rig.supervisor.restarts == {"reconfigure": 2}
+
+
+async def test_what_outlasts_the_drain_is_cancelled_with_a_clear_error(rig: Rig):
+    """A request still running at drain_timeout_s ends with an error event, and is counted."""
+    await rig.healthy()
+    reconfigurer = rig.switch(drain_timeout_s=0.3, start_timeout_s=30)
+    async with aiohttp.ClientSession() as http:
+        running = asyncio.ensure_future(
+            http.post(f"{rig.proxy_url}/v1/completions", json=_stream(1500))
+        )
+        await _until(lambda: len(rig.proxy.inflight) == 1)
+        result = await reconfigurer.switch(fp8=True)
+        async with await running as answer:
+            body = await answer.text()
+    assert result.result == "succeeded", result.detail
+    assert result.cancelled == 1
+    error = json.loads(body.strip().splitlines()[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "kv_cache_reconfigure"
+    assert "drain timeout" in error["message"]
+    assert rig.proxy.counters.cancelled["drain"] == 1
+
+
+async def test_a_failed_restart_rolls_back_to_the_original_command(rig: Rig):
+    """fp8 flags the engine rejects: no health in time, so the original command comes back."""
+    capacity = await rig.healthy()
+    original = list(rig.supervisor.argv)
+    # llama.cpp's flags on a simulated vLLM: the engine refuses to start with them.
+    reconfigurer = rig.switch("llamacpp", drain_timeout_s=5, start_timeout_s=3)
+    result = await reconfigurer.switch(fp8=True)
+    assert result.result == "rolled_back", result.detail
+    assert "not healthy within 3 s" in result.detail
+    assert rig.supervisor.argv == original
+    assert await rig.healthy() == capacity
+    assert not reconfigurer.fp8
+    assert not rig.mitigations.draining
+    assert reconfigurer.results[("kv_fp8", "rolled_back")] == 1
+
+
+async def test_one_switch_at_a_time(rig: Rig):
+    """A second switch while one runs is refused, not queued."""
+    await rig.healthy()
+    reconfigurer = rig.switch(drain_timeout_s=5, start_timeout_s=30)
+    first = asyncio.ensure_future(reconfigurer.switch(fp8=True))
+    await _until(lambda: reconfigurer.busy)
+    second = await reconfigurer.switch(fp8=True)
+    assert second.result == "failed"
+    assert "already running" in second.detail
+    assert (await first).result == "succeeded"
+
+
+# ---------------------------------------------------------------------- other modes
+def _recorder(tmp_path: Path) -> list[str]:
+    """A stand-in for systemctl / kubectl: records its argv and environment, exits 0."""
+    script = tmp_path / "record.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"with open({str(tmp_path / 'calls.jsonl')!r}, 'a') as f:\n"
+        "    env = {k: v for k, v in os.environ.items() if k.startswith('KVGUARD_')}\n"
+        "    f.write(json.dumps({'argv': sys.argv[1:], 'env': env}) + '\\n')\n"
+    )
+    return [sys.executable, str(script)]
+
+
+def _calls(tmp_path: Path) -> list[dict]:
+    lines = (tmp_path / "calls.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+async def test_systemd_mode_writes_a_dropin_and_restarts_the_unit(tmp_path: Path):
+    """fp8: a drop-in with the flags, daemon-reload, restart; revert removes it."""
+    restarter = SystemdRestarter(
+        "vllm.service", "vllm", dropin_dir=str(tmp_path / "units"), systemctl=_recorder(tmp_path)
+    )
+    await restarter.apply(fp8=True)
+    dropin = tmp_path / "units" / "vllm.service.d" / "50-kvguard-kv-cache.conf"
+    text = dropin.read_text()
+    assert "[Service]" in text
+    assert '"KVGUARD_ENGINE_FLAGS=--kv-cache-dtype fp8"' in text
+    assert [c["argv"] for c in _calls(tmp_path)] == [
+        ["daemon-reload"],
+        ["restart", "vllm.service"],
+    ]
+    await restarter.apply(fp8=False)
+    assert not dropin.exists()
+    assert len(_calls(tmp_path)) == 4
+
+
+async def test_command_mode_passes_the_change_in_the_environment(tmp_path: Path):
+    """Your argv runs as given (no shell), with KVGUARD_* saying what to do."""
+    restarter = CommandRestarter([*_recorder(tmp_path), "patch", "deploy/vllm"], "sglang")
+    await restarter.apply(fp8=True)
+    await restarter.apply(fp8=False)
+    first, second = _calls(tmp_path)
+    assert first["argv"] == ["patch", "deploy/vllm"]
+    assert first["env"] == engine_environment("sglang", fp8=True)
+    assert first["env"]["KVGUARD_ENGINE_FLAGS"] == "--kv-cache-dtype fp8_e5m2"
+    assert second["env"]["KVGUARD_ACTION"] == "revert_kv_fp8"
+    assert second["env"]["KVGUARD_KV_CACHE_DTYPE"] == "auto"
+
+
+async def test_a_failing_command_is_a_clear_error(tmp_path: Path):
+    """Exit status and the last lines of output, not a traceback."""
+    from kvguard.actuators.reconfigure import ReconfigureError  # noqa: PLC0415
+
+    fail = [sys.executable, "-c", "import sys; print('no such deployment'); sys.exit(3)"]
+    with pytest.raises(ReconfigureError, match="exited 3: no such deployment"):
+        await CommandRestarter(fail, "vllm").apply(fp8=True)

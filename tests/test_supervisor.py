@@ -1,0 +1,126 @@
+"""Supervisor mode: the engine as kvguard's child — started, watched, restarted, stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvguard.errors import KvguardError
+from kvguard.supervisor import Supervisor
+
+
+async def _until(condition, *, limit_s: float = 10.0) -> None:
+    """Poll real processes until ``condition()`` holds (fails after ``limit_s``)."""
+    for _ in range(int(limit_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition never held")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+CRASH_ONCE = """
+import pathlib, sys, time
+marker = pathlib.Path(sys.argv[1])
+if not marker.exists():
+    marker.write_text("crashed")
+    print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
+    sys.exit(1)
+print("engine up", flush=True)
+time.sleep(60)
+"""
+
+
+async def test_a_crashed_engine_is_restarted_and_an_oom_is_counted(tmp_path: Path):
+    """An exit kvguard did not ask for restarts the engine; an OOM line marks it reason oom."""
+    sleeps: list[float] = []
+
+    async def no_sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    events: list[tuple[str, dict]] = []
+    output = io.StringIO()
+    supervisor = Supervisor(
+        [sys.executable, "-c", CRASH_ONCE, str(tmp_path / "marker")],
+        sleep=no_sleep,
+        on_event=lambda event, fields: events.append((event, fields)),
+        output=output,
+    )
+    await supervisor.start()
+    try:
+        await _until(lambda: "engine up" in output.getvalue())
+        assert supervisor.restarts["oom"] == 1
+        assert supervisor.ooms == 1
+        assert supervisor.last_exit_code == 1
+        assert sleeps == [1.0]  # the first backoff
+        assert supervisor.running
+        assert [e for e, _ in events] == ["engine_oom", "engine_restarted"]
+        assert events[1][1]["reason"] == "oom"
+        assert "CUDA out of memory" in output.getvalue()  # the engine's output passes through
+        pid = supervisor.pid
+    finally:
+        await supervisor.stop()
+    assert pid is not None
+    assert not _alive(pid)
+
+
+async def test_stop_terminates_and_kills_an_engine_that_ignores_sigterm():
+    """SIGTERM first; an engine that ignores it is killed after stop_timeout_s."""
+    ignore = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+        " print('ready', flush=True); time.sleep(60)"
+    )
+    output = io.StringIO()
+    supervisor = Supervisor([sys.executable, "-c", ignore], stop_timeout_s=0.5, output=output)
+    await supervisor.start()
+    await _until(lambda: "ready" in output.getvalue())
+    pid = supervisor.pid
+    await supervisor.stop()
+    assert pid is not None
+    assert not _alive(pid)
+    assert supervisor.last_exit_code == -9
+    assert not supervisor.restarts  # kvguard stopped it: not a crash
+
+
+async def test_restart_replaces_the_command_without_counting_a_crash():
+    """A reconfigure restart is counted as such, and the watch goes on with the new command."""
+    output = io.StringIO()
+    script = "import sys, time; print('up', sys.argv[1], flush=True); time.sleep(60)"
+    supervisor = Supervisor([sys.executable, "-c", script, "one"], output=output)
+    await supervisor.start()
+    try:
+        await _until(lambda: "up one" in output.getvalue())
+        first = supervisor.pid
+        await supervisor.restart([sys.executable, "-c", script, "two"])
+        await _until(lambda: "up two" in output.getvalue())
+        assert supervisor.pid != first
+        assert first is not None
+        assert not _alive(first)
+        assert supervisor.restarts == {"reconfigure": 1}
+    finally:
+        await supervisor.stop()
+
+
+async def test_a_command_that_cannot_start_is_one_clear_error():
+    """A missing program is a KvguardError naming it, not a traceback."""
+    supervisor = Supervisor(["/nonexistent/engine-binary", "--serve"])
+    with pytest.raises(KvguardError, match="cannot start the engine '/nonexistent/engine-binary'"):
+        await supervisor.start()
+
+
+def test_an_empty_command_is_refused():
+    """`kvguard run --` with nothing after it says what to give."""
+    with pytest.raises(KvguardError, match="after `--`"):
+        Supervisor([])
