@@ -14,22 +14,24 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import structlog
 
-from kvguard.actuators.mitigations import Mitigations
+from kvguard.actuators.mitigations import Mitigations, Outcome
 from kvguard.config import Config
 from kvguard.model.forecast import Forecast, forecast
 from kvguard.model.pattern import PatternReading, PatternThresholds, classify
-from kvguard.model.policy import Action, Decision, GuardState, decide
+from kvguard.model.policy import Action, Decision, GuardState, PolicyConfig, decide
 from kvguard.model.series import TickSample, tick_sample
 from kvguard.model.snapshot import Snapshot
 
 log = structlog.get_logger("kvguard.brain")
-Mode = Literal["dry_run", "applied", "not_applied"]
+Mode = Literal["dry_run", "applied", "started", "not_applied"]
 DECISIONS_KEPT = 50
+RETRY_AFTER_MAX_S = 60
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,11 @@ class Brain:
         self.decision: Decision | None = None
         self.decisions: deque[DecisionRecord] = deque(maxlen=DECISIONS_KEPT)
         self.counts: Counter[tuple[str, str]] = Counter()
+        # Actions the engine cannot take (kind -> why): the ladder falls through them.
+        self.unavailable: dict[str, str] = {}
+        self._said_unavailable: dict[str, str] = {}
+        # Level changes and actions go here too (the webhooks), as (event, fields).
+        self.on_event: Callable[[str, dict[str, Any]], None] = lambda _event, _fields: None
 
     @property
     def mode(self) -> Mode:
@@ -113,14 +120,34 @@ class Brain:
         self.forecast = forecast(samples, config.forecast)
         self.pattern = classify(samples, PatternThresholds(window_s=config.pattern_window_s))
         decision = decide(
-            snapshot.taken_at, self.forecast, self.pattern.pattern, config.policy, self.guard
+            snapshot.taken_at, self.forecast, self.pattern.pattern, self._policy(), self.guard
         )
         self.guard = decision.state
         self.decision = decision
         outcomes = self.mitigations.apply(decision.plan, decision.level, self._retry_after_s())
         if decision.plan or decision.level != decision.previous_level:
-            self._record(decision, wall_time, [took for _, took in outcomes])
+            self._record(decision, wall_time, [outcome for _, outcome in outcomes])
         return decision
+
+    def _policy(self) -> PolicyConfig:
+        """The configured ladder, minus what this engine cannot do (said once, with why)."""
+        policy = self.config.policy
+        for kind, why in self.unavailable.items():
+            if self._said_unavailable.get(kind) != why:
+                log.warning("action_unavailable", action=kind, reason=why, falls_through=True)
+        self._said_unavailable = dict(self.unavailable)
+        if not self.unavailable:
+            return policy
+        return replace(policy, disabled=policy.disabled | frozenset(self.unavailable))
+
+    def fp8_result(self, *, fp8_on: bool) -> None:
+        """Tell the ladder what the engine's KV cache really is after a switch ended.
+
+        The ladder marks fp8 on when it decides ``kv_fp8``; a switch that failed or
+        rolled back leaves the engine as it was, and the ladder must not later revert
+        a switch that never happened (or forget one that did).
+        """
+        self.guard = replace(self.guard, fp8_on=fp8_on)
 
     def _refresh_pool(self, snapshot: Snapshot) -> None:
         """Tell the admission path the engine's usable pool (None while it is unknown)."""
@@ -142,9 +169,10 @@ class Brain:
         excess = fc.kv.level - (policy.high.kv_usage or 0.9) * fc.kv.capacity
         if excess <= 0:
             return 1
-        return max(1, min(120, math.ceil(excess / fc.drain_per_s)))
+        # OpenAI's SDK ignores Retry-After over 60 s (and retries at once): cap it there.
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(excess / fc.drain_per_s)))
 
-    def _record(self, decision: Decision, wall_time: float, took: list[bool]) -> None:
+    def _record(self, decision: Decision, wall_time: float, outcomes: list[Outcome]) -> None:
         signals = {
             "kv_usage": decision.signals.kv_usage,
             "kv_demand": decision.signals.kv_demand,
@@ -174,16 +202,28 @@ class Brain:
                 crossed=list(decision.crossed),
                 **signals,
             )
-        for action, applied in zip(decision.plan, took, strict=True):
-            # An action that did not take effect (no actuator yet, nothing to cancel) is
-            # never reported as applied.
-            mode = self.mode if (applied or self.dry_run) else "not_applied"
-            self.counts[(action.kind, mode)] += 1
-            log.warning(
-                "decision",
-                mode=mode,
-                level=decision.level,
-                pattern=decision.pattern,
-                crossed=list(decision.crossed),
-                **action_dict(action),
+            self.on_event(
+                "level_changed",
+                {
+                    "previous": decision.previous_level,
+                    "level": decision.level,
+                    "pattern": decision.pattern,
+                    "crossed": list(decision.crossed),
+                    **signals,
+                },
             )
+        for action, outcome in zip(decision.plan, outcomes, strict=True):
+            # An action that did not take effect (no actuator, nothing to cancel) is never
+            # reported as applied; one handed to an asynchronous actuator is "started" and
+            # its result is counted when it ends.
+            mode: Mode = "dry_run" if self.dry_run else outcome
+            self.counts[(action.kind, mode)] += 1
+            fields = {
+                "mode": mode,
+                "level": decision.level,
+                "pattern": decision.pattern,
+                "crossed": list(decision.crossed),
+                **action_dict(action),
+            }
+            log.warning("decision", **fields)
+            self.on_event("action", fields)

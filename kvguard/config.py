@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from kvguard.config_fields import (
     Parser,
+    argv,
     boolean,
     choice,
     integer,
@@ -78,6 +79,9 @@ class EngineConfig:
     token: Secret | None = field(default=None, compare=False)
     pid: int | None = None
     process_name: str | None = None
+    shed_by_pause: bool = False  # without the proxy, a critical shed pauses the engine
+    admin_timeout_s: float = 5.0
+    admin_attempts: int = 3
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,33 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True)
+class ReconfigureConfig:
+    """``[reconfigure]``: how the fp8 KV switch restarts the engine."""
+
+    mode: str = "auto"  # auto: supervisor with a command after `--`, else off
+    drain_timeout_s: float = 60.0
+    start_timeout_s: float = 600.0
+    stop_timeout_s: float = 30.0
+    crash_backoff_s: float = 1.0
+    systemd_unit: str | None = None
+    systemd_dropin_dir: str = "/etc/systemd/system"
+    systemctl: tuple[str, ...] = ("systemctl",)
+    command: tuple[str, ...] = ()
+    command_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    """``[webhook]``: where events are POSTed, and how."""
+
+    urls: tuple[str, ...] = ()
+    secret_file: str | None = None
+    secret: Secret | None = field(default=None, compare=False)
+    timeout_s: float = 5.0
+    retries: int = 3
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole validated configuration."""
 
@@ -178,6 +209,8 @@ class Config:
     forecast: ForecastSettings = field(default_factory=ForecastSettings)
     pattern_window_s: float = 60.0
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    reconfigure: ReconfigureConfig = field(default_factory=ReconfigureConfig)
+    webhook: WebhookConfig = field(default_factory=WebhookConfig)
     dry_run: bool = False
     source: str = "<defaults>"
 
@@ -194,6 +227,9 @@ class Config:
                 "token": "***" if engine.token is not None else None,
                 "pid": engine.pid,
                 "process_name": engine.process_name,
+                "shed_by_pause": engine.shed_by_pause,
+                "admin_timeout_s": engine.admin_timeout_s,
+                "admin_attempts": engine.admin_attempts,
             },
             "model": dict(vars(self.model)),
             "gpu": {
@@ -212,8 +248,23 @@ class Config:
                 # API keys are secrets: only how many are mapped is shown.
                 "api_key_priorities": f"{len(self.proxy.api_key_priorities)} keys",
             },
+            "reconfigure": _plain(self.reconfigure),
+            "webhook": {
+                # Webhook URLs may carry tokens in their query: scheme, host and path only.
+                "urls": [_without_query(u) for u in self.webhook.urls],
+                "secret_file": self.webhook.secret_file,
+                "secret": "***" if self.webhook.secret is not None else None,
+                "timeout_s": self.webhook.timeout_s,
+                "retries": self.webhook.retries,
+            },
             "dry_run": self.dry_run,
         }
+
+
+def _without_query(address: str) -> str:
+    scheme, _, rest = address.partition("://")
+    host_path = rest.split("?", 1)[0].split("#", 1)[0]
+    return f"{scheme}://{host_path.rpartition('@')[2]}"
 
 
 def _plain(value: object) -> object:
@@ -239,6 +290,9 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "token_file": text,
         "pid": integer(1, 2**22),
         "process_name": text,
+        "shed_by_pause": boolean,
+        "admin_timeout_s": number(0.0, 600.0),
+        "admin_attempts": integer(1, 20),
     },
     "model": {
         "config": text,
@@ -319,6 +373,24 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "shed_ratio": number(0.0, 1.0, low_open=False),
         "shed_wait_s": number(0.0, 600.0, low_open=False),
     },
+    "reconfigure": {
+        "mode": choice(("auto", "off", "supervisor", "systemd", "command")),
+        "drain_timeout_s": number(0.0, 86_400.0, low_open=False),
+        "start_timeout_s": number(0.0, 86_400.0),
+        "stop_timeout_s": number(0.0, 3600.0),
+        "crash_backoff_s": number(0.0, 3600.0),
+        "systemd_unit": text,
+        "systemd_dropin_dir": text,
+        "systemctl": argv,
+        "command": argv,
+        "command_timeout_s": number(0.0, 86_400.0),
+    },
+    "webhook": {
+        "urls": list_of(url),
+        "secret_file": text,
+        "timeout_s": number(0.0, 600.0),
+        "retries": integer(0, 20),
+    },
 }
 _RENAMED = {("gpu", "memory"): "memory_bytes"}
 
@@ -355,11 +427,14 @@ def parse_config(
     if "url" not in sections["engine"] and not any(p[0] == "engine.url" for p in problems):
         problems.append(("engine.url", None, "is required: the engine's base URL"))
     problems += _cross_checks(sections)
-    token = None
+    token = secret = None
     if not problems:
         token, token_problem = _read_token(sections["engine"], env, Path(source).parent)
         if token_problem:
             problems.append(token_problem)
+        secret, secret_problem = _read_secret(sections["webhook"], Path(source).parent)
+        if secret_problem:
+            problems.append(secret_problem)
     if problems:
         raise ConfigError(source, problems)
     return Config(
@@ -373,6 +448,8 @@ def parse_config(
         forecast=_forecast(sections),
         pattern_window_s=float(sections["pattern"].get("window_s", 60.0)),  # type: ignore[arg-type]
         proxy=ProxyConfig(**sections["proxy"]),  # type: ignore[arg-type]
+        reconfigure=ReconfigureConfig(**sections["reconfigure"]),  # type: ignore[arg-type]
+        webhook=WebhookConfig(**sections["webhook"], secret=secret),  # type: ignore[arg-type]
         dry_run=bool(sections["policy"].get("dry_run", False)),
         source=source,
     )
@@ -428,6 +505,12 @@ def _cross_checks(sections: dict[str, dict[str, object]]) -> list[tuple[str, obj
         problems.append(("engine.pid", engine["pid"], "give pid or process_name, not both"))
     if gpu.get("indices") and gpu.get("uuids"):
         problems.append(("gpu.indices", gpu["indices"], "give indices or uuids, not both"))
+    reconfigure = sections["reconfigure"]
+    mode = reconfigure.get("mode")
+    if mode == "systemd" and not reconfigure.get("systemd_unit"):
+        problems.append(("reconfigure.systemd_unit", None, 'is required with mode = "systemd"'))
+    if mode == "command" and not reconfigure.get("command"):
+        problems.append(("reconfigure.command", None, 'is required with mode = "command"'))
     interval = poll.get("interval_s", PollConfig.interval_s)
     minimum = poll.get("min_interval_s", PollConfig.min_interval_s)
     if isinstance(interval, float) and isinstance(minimum, float) and minimum > interval:
@@ -464,6 +547,28 @@ def _read_token(
             return None, (TOKEN_ENV, None, "must be one line of printable text")
         return Secret(text), None
     return None, None
+
+
+def _read_secret(
+    webhook: dict[str, object], base: Path
+) -> tuple[Secret | None, tuple[str, object, str] | None]:
+    """The webhook signing secret from ``secret_file`` (relative to the config file)."""
+    secret_file = webhook.get("secret_file")
+    if not isinstance(secret_file, str):
+        return None, None
+    path = Path(secret_file)
+    path = path if path.is_absolute() else base / path
+    try:
+        value = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        return None, (
+            "webhook.secret_file",
+            secret_file,
+            f"must be a readable file ({exc.strerror})",
+        )
+    if not value:
+        return None, ("webhook.secret_file", secret_file, "must not be empty")
+    return Secret(value), None
 
 
 def _printable(text: str) -> bool:

@@ -139,3 +139,16 @@ def list_of(item: Parser) -> Parser:
         return tuple(item(f"{name}[{i}]", v) for i, v in enumerate(value))
 
     return parse
+
+
+def argv(name: str, value: object) -> object:
+    """A command as a list of strings (no shell: each item is one argument)."""
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(item, str) and item for item in value)
+    ):
+        raise InvalidInputError(
+            name, value, "must be a non-empty list of strings, one per argument (no shell)"
+        )
+    return tuple(value)

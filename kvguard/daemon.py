@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import structlog
 
@@ -28,6 +28,11 @@ from kvguard.probes.base import Probe
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.host import HostProbe
 from kvguard.probes.nvml import GpuSelector, NvmlProbe
+
+if TYPE_CHECKING:
+    from kvguard.actuators.dispatch import Actuators
+    from kvguard.actuators.webhook import Webhooks
+    from kvguard.supervisor import Supervisor
 
 T = TypeVar("T")
 log = structlog.get_logger("kvguard.daemon")
@@ -168,6 +173,12 @@ class Daemon:
         self.brain = Brain(config, dry_run=dry_run)
         self.mitigations = self.brain.mitigations
         self.proxy: AdmissionProxy | None = None  # set by the server when [proxy] is enabled
+        # Set by `kvguard run` (kvguard.actuators.wiring): engine admin, the fp8 switch,
+        # the supervised engine and the webhooks.
+        self.actuators: Actuators | None = None
+        self.supervisor: Supervisor | None = None
+        self.webhooks: Webhooks | None = None
+        self.brain.on_event = self.notify
         self.probes = probes or Probes.from_config(config)
         self.state = DaemonState(started_at=clock())
         self.state.trackers = {name: ProbeTracker(p) for name, p in self.probes.all().items()}
@@ -219,6 +230,10 @@ class Daemon:
             if self.config.gpu.memory_bytes is None:
                 self._refresh_budget_safely(self._nvml_total)
         self._reconcile(snapshot.engine)
+        actuators = self.actuators
+        if actuators is not None:
+            actuators.set_kind(getattr(self.probes.engine, "kind", None))
+            self.brain.unavailable = actuators.unavailable()
         self.brain.step(snapshot, self.wall_clock())
         state = self.state
         state.snapshot = snapshot
@@ -292,6 +307,11 @@ class Daemon:
                 difference_ratio=round(ratio or 0.0, 4),
             )
             self._reported_mismatch = rec.reported_tokens
+
+    def notify(self, event: str, fields: dict[str, Any]) -> None:
+        """Send an event to the webhooks, if any (never blocks, never raises)."""
+        if self.webhooks is not None:
+            self.webhooks.notify(event, **fields)
 
     # ------------------------------------------------------------------ the loop
     def next_interval(self) -> float:

@@ -16,12 +16,15 @@ import structlog
 from aiohttp import web
 
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
+from kvguard.actuators.webhook import Webhooks, WebhookSettings
+from kvguard.actuators.wiring import attach_actuators, restart_mode
 from kvguard.config import Config, config_for_engine, load_config
 from kvguard.daemon import Daemon, budget_for
 from kvguard.errors import ConfigError, KvguardError
 from kvguard.model.snapshot import ENGINE_KINDS, EngineStats, Snapshot
 from kvguard.model.units import format_bytes
 from kvguard.server import build_app, status_document
+from kvguard.supervisor import Supervisor
 from kvguard.systemd import SystemdNotifier
 from kvguard.telemetry import configure_logging
 
@@ -43,6 +46,13 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         "--dry-run",
         action="store_true",
         help="decide, count and report every action; block or change nothing",
+    )
+    run.add_argument(
+        "engine_command",
+        nargs=argparse.REMAINDER,
+        metavar="-- ENGINE COMMAND",
+        help="supervisor mode: start this engine command (after --), restart it on a crash"
+        " and for the fp8 switch, stop it with kvguard",
     )
     run.set_defaults(handler=run_daemon)
 
@@ -87,25 +97,56 @@ def run_daemon(args: argparse.Namespace) -> int:
     """Load the config and serve until SIGTERM/SIGINT."""
     config = load_config(args.config)
     configure_logging(config.log.level, config.log.format)
-    return asyncio.run(serve(config, config_path=config.source, dry_run=args.dry_run))
+    command = list(args.engine_command or ())
+    if command[:1] == ["--"]:
+        command = command[1:]
+    return asyncio.run(
+        serve(
+            config,
+            config_path=config.source,
+            dry_run=args.dry_run,
+            engine_command=command or None,
+        )
+    )
 
 
-async def serve(config: Config, *, config_path: str | None, dry_run: bool = False) -> int:
-    """The daemon and its HTTP API; SIGHUP reloads ``config_path``."""
+async def serve(
+    config: Config,
+    *,
+    config_path: str | None,
+    dry_run: bool = False,
+    engine_command: list[str] | None = None,
+) -> int:
+    """The daemon, its HTTP API and actuators (and the engine, given its command).
+
+    SIGHUP reloads ``config_path``; SIGTERM/SIGINT stop everything, the engine last.
+    """
     notifier = SystemdNotifier.from_environment()
     daemon = Daemon(config, dry_run=dry_run or config.dry_run)
     runners = []
+    supervisor = None
     try:
+        restart_mode(config, supervised=bool(engine_command))  # a bad mode fails first
         runners.append(await listen(build_app(daemon), config.server.listen))
         if config.proxy.enabled:
             daemon.proxy = make_proxy(config, daemon)
             # handler_cancellation: a client that leaves cancels its handler, which
             # closes the upstream connection, which makes the engine abort the request.
             runners.append(await listen(daemon.proxy.app(), config.proxy.listen, cancel=True))
+        if config.webhook.urls:
+            daemon.webhooks = make_webhooks(config)
+            await daemon.webhooks.start()
+        if engine_command:
+            supervisor = Supervisor(
+                engine_command,
+                stop_timeout_s=config.reconfigure.stop_timeout_s,
+                backoff_s=config.reconfigure.crash_backoff_s,
+                on_event=daemon.notify,
+            )
+            await supervisor.start()
+        attach_actuators(daemon, supervisor=supervisor)
     except KvguardError:
-        for runner in runners:
-            await runner.cleanup()
-        await daemon.close()
+        await _shut_down(daemon, runners, supervisor)
         raise
     watchdog = notifier.watchdog_interval_s
     slowest_tick = config.poll.interval_s + config.poll.timeout_s
@@ -143,11 +184,37 @@ async def serve(config: Config, *, config_path: str | None, dry_run: bool = Fals
         await daemon.run(stop, after_tick=after_tick)
     finally:
         notifier.stopping()
-        for runner in reversed(runners):
-            await runner.cleanup()
-        await daemon.close()
+        await _shut_down(daemon, runners, supervisor)
         log.info("stopped")
     return 0
+
+
+async def _shut_down(
+    daemon: Daemon, runners: list[web.AppRunner], supervisor: Supervisor | None
+) -> None:
+    """Stop in the order that loses nothing: actions (the engine resumed), servers, engine."""
+    if daemon.actuators is not None:
+        await daemon.actuators.close()
+    for runner in reversed(runners):
+        await runner.cleanup()
+    await daemon.close()
+    if daemon.webhooks is not None:
+        await daemon.webhooks.close()
+    if supervisor is not None:
+        await supervisor.stop()
+
+
+def make_webhooks(config: Config) -> Webhooks:
+    """The webhook sender for ``[webhook]``."""
+    hook = config.webhook
+    return Webhooks(
+        WebhookSettings(
+            urls=hook.urls,
+            timeout_s=hook.timeout_s,
+            retries=hook.retries,
+            secret=hook.secret.reveal() if hook.secret is not None else None,
+        )
+    )
 
 
 async def listen(app: web.Application, address: str, *, cancel: bool = False) -> web.AppRunner:

@@ -168,6 +168,7 @@ def status_document(daemon: Daemon) -> dict[str, Any]:
             "retry_after_s": daemon.mitigations.retry_after_s,
         },
         "proxy": _proxy(daemon),
+        "actions": _actions(daemon),
         "reconciliation": None
         if rec is None
         else {
@@ -208,6 +209,43 @@ def _pressure(daemon: Daemon) -> dict[str, Any] | None:
         },
         "active": [action_dict(a) for a in decision.state.active.values()],
         "decisions": [record.as_dict() for record in reversed(brain.decisions)],
+    }
+
+
+def _actions(daemon: Daemon) -> dict[str, Any] | None:
+    """The asynchronous actuators: what this engine can do, and how it went."""
+    actuators = daemon.actuators
+    if actuators is None:
+        return None
+    reconfigurer, supervisor = actuators.reconfigurer, daemon.supervisor
+    return {
+        "engine_kind": actuators.kind,
+        "unavailable": dict(daemon.brain.unavailable),
+        "engine_paused": actuators.paused,
+        "results": [
+            {"action": a, "result": r, "count": n}
+            for (a, r), n in sorted(actuators.results.items())
+        ],
+        "reconfigure": None
+        if reconfigurer is None
+        else {
+            "mode": actuators.mode,
+            "restarter": reconfigurer.restarter.description,
+            "fp8": reconfigurer.fp8,
+            "busy": reconfigurer.busy,
+            "last_drain_s": reconfigurer.last_drain_s,
+        },
+        # The engine's argv can hold secrets (--api-key): only the program is shown.
+        "supervisor": None
+        if supervisor is None
+        else {
+            "program": supervisor.argv[0],
+            "pid": supervisor.pid,
+            "restarts": dict(supervisor.restarts),
+            "ooms": supervisor.ooms,
+            "last_exit_code": supervisor.last_exit_code,
+        },
+        "webhooks": None if daemon.webhooks is None else dict(daemon.webhooks.counters),
     }
 
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator
 
 import structlog
 from prometheus_client.core import (
@@ -24,15 +23,12 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvguard.daemon import Daemon
+from kvguard.metric_families import counter_family, gauge
 from kvguard.model.pattern import TRAFFIC_PATTERNS
 from kvguard.model.policy import LEVELS
+from kvguard.telemetry_actions import actuator_metrics
 
 BUDGET_COMPONENTS = ("weights", "kv_pool", "activations", "overhead", "headroom")
-
-
-def _gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
-    if value is not None:
-        yield GaugeMetricFamily(name, doc, value=value)
 
 
 class DaemonCollector(Collector):
@@ -50,6 +46,7 @@ class DaemonCollector(Collector):
         yield from self._budget_metrics()
         yield from self._brain_metrics()
         yield from self._proxy_metrics()
+        yield from actuator_metrics(self.daemon)
 
     def _self_metrics(self) -> Iterator[Metric]:
         state = self.daemon.state
@@ -78,7 +75,7 @@ class DaemonCollector(Collector):
             if tracker.read_at is not None:
                 age.add_metric([name], now - tracker.read_at)
         yield from (up, duration, errors, age)
-        yield from _gauge(
+        yield from gauge(
             "kvguard_tick_duration_seconds", "Duration of the last tick.", state.tick_duration_s
         )
         yield CounterMetricFamily("kvguard_ticks", "Ticks completed.", value=state.ticks_total)
@@ -130,20 +127,20 @@ class DaemonCollector(Collector):
         host = snapshot.host if snapshot else None
         if host is None or not self._fresh("host"):
             return
-        yield from _gauge(
+        yield from gauge(
             "kvguard_host_memory_total_bytes", "Host memory, total.", host.memory_total_bytes
         )
-        yield from _gauge(
+        yield from gauge(
             "kvguard_host_memory_available_bytes",
             "Host memory available.",
             host.memory_available_bytes,
         )
-        yield from _gauge(
+        yield from gauge(
             "kvguard_engine_process_resident_bytes",
             "Resident memory of the engine process.",
             host.engine_resident_bytes,
         )
-        yield from _gauge(
+        yield from gauge(
             "kvguard_engine_process_cpu_ratio",
             "CPU of the engine process, in cores.",
             host.engine_cpu_ratio,
@@ -159,21 +156,21 @@ class DaemonCollector(Collector):
         )
         if engine is None or not self._fresh("engine"):
             return
-        yield from _gauge(
+        yield from gauge(
             "kvguard_kv_cache_usage_ratio", "KV cache in use, 0-1.", engine.kv_cache_usage_ratio
         )
-        yield from _gauge(
+        yield from gauge(
             "kvguard_kv_cache_capacity_tokens",
             "Tokens the engine's KV cache holds.",
             engine.kv_capacity_tokens,
         )
-        yield from _gauge(
+        yield from gauge(
             "kvguard_kv_cache_used_tokens", "Tokens in the KV cache now.", engine.kv_used_tokens
         )
-        yield from _gauge(
+        yield from gauge(
             "kvguard_requests_running", "Requests being processed.", engine.requests_running
         )
-        yield from _gauge(
+        yield from gauge(
             "kvguard_requests_waiting", "Requests queued in the engine.", engine.requests_waiting
         )
         if engine.preemptions_total is not None:
@@ -201,22 +198,22 @@ class DaemonCollector(Collector):
         for component, value in zip(BUDGET_COMPONENTS, values, strict=True):
             lines.add_metric([component], value)
         yield lines
-        yield from _gauge(
+        yield from gauge(
             "kvguard_kv_bytes_per_token", "KV bytes per token, whole model.", b.kv_bytes_per_token
         )
-        yield from _gauge(
+        yield from gauge(
             "kvguard_budget_kv_capacity_tokens",
             "KV capacity the budget predicts.",
             b.kv_capacity_tokens,
         )
         rec = state.reconciliation
         if rec is not None:
-            yield from _gauge(
+            yield from gauge(
                 "kvguard_engine_kv_capacity_tokens",
                 "KV capacity the engine reports.",
                 rec.reported_tokens,
             )
-            yield from _gauge(
+            yield from gauge(
                 "kvguard_budget_kv_capacity_difference_tokens",
                 "Reported minus predicted KV capacity.",
                 rec.difference_tokens,
@@ -224,7 +221,7 @@ class DaemonCollector(Collector):
 
     def _brain_metrics(self) -> Iterator[Metric]:
         brain = self.daemon.brain
-        yield _counter(
+        yield counter_family(
             "kvguard_decisions",
             "Actions decided, by action and mode.",
             ["action", "mode"],
@@ -252,7 +249,7 @@ class DaemonCollector(Collector):
             per_token = budget.budget.kv_bytes_per_token_per_gpu if budget else None
             horizons = self.daemon.config.forecast.horizons_s
             headroom = fc.headroom_bytes(per_token, horizons[0]) if horizons else None
-            yield from _gauge(
+            yield from gauge(
                 "kvguard_headroom_bytes",
                 "KV headroom per GPU at the first forecast horizon, in bytes.",
                 headroom,
@@ -314,7 +311,7 @@ class DaemonCollector(Collector):
             family = HistogramMetricFamily(name, doc)
             family.add_metric([], hist.cumulative(), sum_value=hist.total)
             yield family
-        yield _counter(
+        yield counter_family(
             "kvguard_requests_shed",
             "Requests shed by the proxy.",
             ["priority", "reason"],
@@ -325,33 +322,24 @@ class DaemonCollector(Collector):
             "Requests whose max_tokens was lowered.",
             value=counters.clamped,
         )
-        yield _counter(
+        yield counter_family(
             "kvguard_requests_rejected",
             "Requests refused by the window cap.",
             ["reason"],
             counters.rejected,
         )
-        yield CounterMetricFamily(
+        yield counter_family(
             "kvguard_requests_cancelled",
-            "Requests cancelled to free KV cache.",
-            value=counters.cancelled,
+            "Requests cancelled: the largest to free KV cache, or left over by a drain.",
+            ["reason"],
+            counters.cancelled,
         )
-        yield _counter(
+        yield counter_family(
             "kvguard_proxy_errors",
             "Proxy answers of its own: 413, 502, 504.",
             ["code"],
             counters.upstream_errors,
         )
-
-
-def _counter(
-    name: str, doc: str, labels: list[str], counts: Mapping[Any, float]
-) -> CounterMetricFamily:
-    """A labelled counter family from a Counter keyed by one label value or a tuple of them."""
-    family = CounterMetricFamily(name, doc, labels=labels)
-    for key, count in sorted(counts.items()):
-        family.add_metric(list(key) if isinstance(key, tuple) else [key], count)
-    return family
 
 
 def daemon_registry(daemon: Daemon) -> CollectorRegistry:

@@ -15,6 +15,10 @@ from typing import Literal
 from kvguard.model.policy import Action
 
 Priority = Literal["critical", "standard", "sheddable"]
+# What became of an action: in force now (applied), handed to an asynchronous
+# actuator whose result comes later (started), or nothing could act on it.
+Outcome = Literal["applied", "started", "not_applied"]
+ASYNC_ACTIONS = frozenset({"evict", "kv_fp8", "revert_kv_fp8"})
 PRIORITIES: tuple[Priority, ...] = ("sheddable", "standard", "critical")  # low to high
 
 
@@ -50,32 +54,49 @@ class Mitigations:
     # The engine's usable KV pool, refreshed every tick: what the proxy admits against.
     pool_tokens: int | None = None
     block_size: int = 16
+    # The fp8 switch's drain: every generation request is refused until it ends.
+    draining: bool = False
+    drain_retry_after_s: int = 60
+    # Starts an asynchronous action (evict, kv_fp8, revert_kv_fp8, and the engine-side
+    # shed); returns whether it started. Set by the daemon when actuators exist.
+    launch: Callable[[Action], bool] | None = field(default=None, repr=False)
 
     def apply(
         self, actions: Iterable[Action], level: str, retry_after_s: int
-    ) -> list[tuple[Action, bool]]:
-        """Put a plan in force; returns each action with whether it took effect."""
+    ) -> list[tuple[Action, Outcome]]:
+        """Put a plan in force; returns each action with what became of it."""
         self.level = level
         self.retry_after_s = max(1, retry_after_s)
         return [(action, self._apply_one(action)) for action in actions]
 
-    def _apply_one(self, action: Action) -> bool:
+    def _apply_one(self, action: Action) -> Outcome:
+        if action.kind == "shed" or (action.kind == "release" and action.target == "shed"):
+            self._launch_quietly(action)  # the engine-side shed follows the floor
         if action.kind == "shed":
             self.shed_floor = action.priority
-            return True
+            return "applied"
         if action.kind == "tighten_window":
             self.max_prompt_tokens, self.max_tokens = action.max_prompt_tokens, action.max_tokens
-            return True
+            return "applied"
         if action.kind == "release":
             if action.target == "shed":
                 self.shed_floor = None
             elif action.target == "tighten_window":
                 self.max_prompt_tokens = self.max_tokens = None
-            return True
+            return "applied"
         if action.kind == "cancel_largest":
             cancel = self.cancel_largest
-            return bool(self.enforcing and cancel is not None and cancel())
-        return False  # evict, kv_fp8, revert_kv_fp8: no actuator for these yet
+            return (
+                "applied" if self.enforcing and cancel is not None and cancel() else "not_applied"
+            )
+        if action.kind in ASYNC_ACTIONS and self.enforcing and self.launch is not None:
+            return "started" if self.launch(action) else "not_applied"
+        return "not_applied"
+
+    def _launch_quietly(self, action: Action) -> None:
+        """Tell the asynchronous actuators about a shed or release (they may pause the engine)."""
+        if self.enforcing and self.launch is not None:
+            self.launch(action)
 
     def sheds(self, priority: str) -> bool:
         """Whether a request of ``priority`` is shed now (only while enforcing)."""

@@ -1,0 +1,177 @@
+"""The asynchronous actuators: engine admin calls and the fp8 switch, off the loop.
+
+The ladder decides once per tick and must never wait for an engine: an eviction is
+retried for seconds, a drain-and-restart takes minutes. :class:`Actuators` starts
+each as a background task (one per kind at a time), counts how it ended
+(``kvguard_action_results_total{action,result}``), logs it (``action_result``),
+sends it to the webhooks, and tells the ladder what the engine's KV cache really is
+after a switch. It also says which actions this engine cannot take, so the ladder
+falls through to the next one (and the log says why, once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import structlog
+
+from kvguard.actuators.engine_admin import AdminResult, EngineAdmin
+from kvguard.actuators.engine_flags import supports_fp8
+from kvguard.actuators.reconfigure import Reconfigurer
+from kvguard.model.policy import Action
+
+log = structlog.get_logger("kvguard.actuators")
+EventSink = Callable[[str, dict[str, Any]], None]
+
+
+class Actuators:
+    """Starts evict, kv_fp8, revert_kv_fp8 and the engine-side shed; records results."""
+
+    def __init__(
+        self,
+        build: Callable[[str], tuple[EngineAdmin | None, Reconfigurer | None]],
+        *,
+        on_fp8: Callable[[bool], None],
+        shed_by_pause: bool = False,
+        proxy_in_path: bool = False,
+        on_event: EventSink | None = None,
+    ) -> None:
+        self.build = build
+        self.admin: EngineAdmin | None = None
+        self.reconfigurer: Reconfigurer | None = None
+        self.on_fp8 = on_fp8
+        self.shed_by_pause = shed_by_pause
+        self.proxy_in_path = proxy_in_path
+        self.on_event = on_event or (lambda _event, _fields: None)
+        self.kind: str | None = None  # the engine's kind, once known
+        self.mode = "off"  # the fp8 switch's restart mode, for /status
+        # (action, succeeded|failed), present from the start: 0 is not absent.
+        self.results: Counter[tuple[str, str]] = Counter(
+            {
+                (a, r): 0
+                for a in ("evict", "kv_fp8", "revert_kv_fp8")
+                for r in ("succeeded", "failed")
+            }
+        )
+        self.paused = False  # the engine is paused by kvguard (engine-side shed)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    # ------------------------------------------------------------------ what can act
+    def set_kind(self, kind: str | None) -> None:
+        """Build the engine's admin client and the fp8 switch once its kind is known."""
+        if kind is None or self.kind is not None:
+            return
+        self.kind = kind
+        self.admin, self.reconfigurer = self.build(kind)
+
+    def unavailable(self) -> dict[str, str]:
+        """Actions this engine cannot take now, with why (the ladder falls through)."""
+        out: dict[str, str] = {}
+        admin = self.admin
+        if admin is None or not admin.supports("evict"):
+            out["evict"] = (
+                "the engine's kind is not known yet"
+                if admin is None
+                else f"{self.kind or 'this engine'} offers no cache eviction kvguard can call"
+                " (vLLM needs VLLM_SERVER_DEV_MODE=1)"
+            )
+        if self.reconfigurer is None:
+            why = (
+                'no way to restart the engine: set [reconfigure] mode, or run it as "-- <command>"'
+            )
+            out["kv_fp8"] = out["revert_kv_fp8"] = why
+        elif not supports_fp8(self.kind):
+            why = f"kvguard cannot switch the KV dtype of {self.kind or 'an unknown engine'}"
+            out["kv_fp8"] = out["revert_kv_fp8"] = why
+        return out
+
+    # ------------------------------------------------------------------ starting
+    def launch(self, action: Action) -> bool:
+        """Start ``action`` in the background; False when nothing can act on it now."""
+        kind = action.kind
+        if kind == "evict" and self.admin is not None and self.admin.supports("evict"):
+            return self._start("evict", self._evict())
+        if kind in ("kv_fp8", "revert_kv_fp8") and self.reconfigurer is not None:
+            if self.reconfigurer.busy or not supports_fp8(self.kind):
+                return False
+            return self._start(kind, self._switch(fp8=kind == "kv_fp8"))
+        if kind == "shed" and self._pause_sheds() and action.priority == "standard":
+            return not self.paused and self._start("pause", self._pause())
+        if kind == "release" and action.target == "shed" and self.paused:
+            return self._start("resume", self._resume())
+        return False
+
+    def _pause_sheds(self) -> bool:
+        return (
+            self.shed_by_pause
+            and not self.proxy_in_path
+            and self.admin is not None
+            and self.admin.supports("pause")
+        )
+
+    def _start(self, name: str, work: Coroutine[Any, Any, None]) -> bool:
+        running = self._tasks.get(name)
+        if running is not None and not running.done():
+            work.close()  # one of each at a time: the running one will do
+            return False
+        self._tasks[name] = asyncio.ensure_future(work)
+        return True
+
+    # ------------------------------------------------------------------ the work
+    async def _evict(self) -> None:
+        assert self.admin is not None  # noqa: S101 - launch checked it
+        self._admin_done(await self.admin.evict())
+
+    async def _pause(self) -> None:
+        assert self.admin is not None  # noqa: S101 - launch checked it
+        result = await self.admin.pause()
+        self.paused = result.ok
+        self._admin_done(result)
+
+    async def _resume(self) -> None:
+        assert self.admin is not None  # noqa: S101 - launch checked it
+        result = await self.admin.resume()
+        self.paused = not result.ok
+        self._admin_done(result)
+
+    async def _switch(self, *, fp8: bool) -> None:
+        assert self.reconfigurer is not None  # noqa: S101 - launch checked it
+        result = await self.reconfigurer.switch(fp8=fp8)
+        self.results[
+            (result.action, "succeeded" if result.result == "succeeded" else "failed")
+        ] += 1
+        self.on_fp8(self.reconfigurer.fp8)
+
+    def _admin_done(self, result: AdminResult) -> None:
+        outcome = "succeeded" if result.ok else "failed"
+        self.results[(result.action, outcome)] += 1
+        fields = {
+            "action": result.action,
+            "result": outcome,
+            "detail": result.detail,
+            "attempts": result.attempts,
+        }
+        if result.ok:
+            log.info("action_result", **fields)
+        else:
+            log.warning("action_result", **fields)
+        self.on_event("action_result", fields)
+
+    # ------------------------------------------------------------------ the end
+    async def close(self) -> None:
+        """Wait for running actions briefly, and never leave the engine paused."""
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.paused and self.admin is not None:
+            with contextlib.suppress(Exception):
+                result = await self.admin.resume()
+                self.paused = not result.ok
+                log.info("engine_resumed_at_exit", ok=result.ok, detail=result.detail)
+        if self.admin is not None:
+            await self.admin.close()

@@ -1,0 +1,151 @@
+"""The daemon's asynchronous actuators against real simulated engines on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from kvguard.actuators.dispatch import Actuators
+from kvguard.actuators.engine_admin import EngineAdmin
+from kvguard.actuators.webhook import Webhooks, WebhookSettings
+from kvguard.actuators.wiring import attach_actuators
+from kvguard.config import parse_config
+from kvguard.daemon import Daemon, Probes
+from kvguard.model.policy import Action
+from kvguard.probes.engine import EngineProbe
+
+
+async def _settle(actuators: Actuators) -> None:
+    """Wait for the background actions to end."""
+    await asyncio.gather(*actuators._tasks.values())
+
+
+def _actuators(url: str, **options) -> Actuators:
+    return Actuators(
+        lambda kind: (EngineAdmin(url, kind, backoff_s=0.01), None),
+        on_fp8=lambda _on: None,
+        **options,
+    )
+
+
+async def test_evict_runs_in_the_background_and_its_result_is_counted(sim_engine):
+    """Evict on an idle vLLM succeeds; one at a time; the ladder learns nothing is missing."""
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    actuators = _actuators(url)
+    assert "evict" in actuators.unavailable()  # the kind is not known yet
+    actuators.set_kind("vllm")
+    assert "evict" not in actuators.unavailable()
+    assert actuators.launch(Action("evict", "test"))
+    assert not actuators.launch(Action("evict", "test"))  # one already running
+    await _settle(actuators)
+    assert actuators.results[("evict", "succeeded")] == 1
+    await actuators.close()
+
+
+async def test_without_dev_mode_evict_fails_once_then_falls_through(sim_engine):
+    """Without VLLM_SERVER_DEV_MODE on vLLM: one failed attempt, then unavailable with why."""
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048, dev_endpoints=False)
+    actuators = _actuators(url)
+    actuators.set_kind("vllm")
+    assert actuators.launch(Action("evict", "test"))
+    await _settle(actuators)
+    assert actuators.results[("evict", "failed")] == 1
+    why = actuators.unavailable()["evict"]
+    assert "VLLM_SERVER_DEV_MODE=1" in why
+    assert not actuators.launch(Action("evict", "test"))
+    await actuators.close()
+
+
+async def test_shed_by_pause_pauses_and_release_resumes(sim_engine):
+    """Without the proxy, a critical shed pauses the engine; release and exit resume it."""
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    actuators = _actuators(url, shed_by_pause=True)
+    actuators.set_kind("vllm")
+
+    async def paused() -> bool:
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/is_paused") as resp:
+            return bool((await resp.json())["is_paused"])
+
+    assert not actuators.launch(Action("shed", "test", priority="sheddable"))  # not at critical
+    assert actuators.launch(Action("shed", "test", priority="standard"))
+    await _settle(actuators)
+    assert actuators.paused
+    assert await paused()
+    assert actuators.launch(Action("release", "test", target="shed"))
+    await _settle(actuators)
+    assert not await paused()
+    assert actuators.launch(Action("shed", "test", priority="standard"))
+    await _settle(actuators)
+    await actuators.close()  # never leave the engine paused
+    assert not await paused()
+    assert not actuators.paused
+
+
+async def test_the_proxy_in_the_path_means_no_engine_pause(sim_engine):
+    """With the proxy, shedding is the proxy's: the engine is never paused for it."""
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    actuators = _actuators(url, shed_by_pause=True, proxy_in_path=True)
+    actuators.set_kind("vllm")
+    assert not actuators.launch(Action("shed", "test", priority="standard"))
+    await actuators.close()
+
+
+async def test_the_daemon_sends_level_changes_and_actions_to_webhooks(sim_server):
+    """A tick that enters a level reaches a real webhook receiver, with its reasons."""
+    events: list[dict] = []
+
+    async def receive(request: web.Request) -> web.Response:
+        events.append(json.loads(await request.read()))
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/hook", receive)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    server = await sim_server(kv_capacity_tokens=4096, max_model_len=2048, per_token_s=0.001)
+    config = parse_config(
+        {
+            "engine": {"url": server.url, "kind": "vllm"},
+            # Any use of the cache is pressure here, so one request changes the level.
+            "policy": {"confirm_ticks": 1, "elevated": {"kv_usage": 0.001}},
+            "webhook": {"urls": [f"http://127.0.0.1:{port}/hook"]},
+        },
+        env={},
+    )
+    daemon = Daemon(config, probes=Probes(EngineProbe(server.url), nvml=None, host=None))
+    daemon.webhooks = Webhooks(WebhookSettings(urls=config.webhook.urls))
+    await daemon.webhooks.start()
+    actuators = attach_actuators(daemon)
+    try:
+        async with aiohttp.ClientSession() as http:
+            request = asyncio.ensure_future(
+                http.post(
+                    f"{server.url}/v1/completions",
+                    json={"prompt": "word " * 200, "max_tokens": 400},
+                )
+            )
+            for _ in range(200):
+                await daemon.tick()
+                if daemon.brain.decision and daemon.brain.decision.level != "ok":
+                    break
+                await asyncio.sleep(0.01)
+            (await request).close()
+        await daemon.webhooks.close()
+    finally:
+        await actuators.close()
+        await daemon.close()
+        await runner.cleanup()
+    changes = [e for e in events if e["event"] == "level_changed"]
+    assert changes, events
+    assert changes[0]["previous"] == "ok"
+    assert changes[0]["level"] == "elevated"
+    assert any("kv_usage" in reason for reason in changes[0]["crossed"])
+    assert actuators.kind == "vllm"
+    # No restart mode: the fp8 switch is unavailable, and the ladder says why.
+    assert "[reconfigure] mode" in daemon.brain.unavailable["kv_fp8"]
