@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -41,13 +40,10 @@ from typing import Any
 
 from aiohttp import web
 
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.daemon_cli import listen, make_proxy
-from kvguard.errors import KvguardError
+from kvguard.daemon import Daemon
+from kvguard.inprocess import start_guard
 from kvguard.model.policy import LEVELS
 from kvguard.model.snapshot import Snapshot
-from kvguard.probes.engine import EngineProbe
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.loadgen_report import LoadReport
@@ -102,14 +98,6 @@ class Run:
         return self.mode != "direct"
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def load_summary(report: LoadReport) -> dict[str, Any]:
     """The parts of a loadgen report this benchmark compares."""
     ttft = report.ttft_s
@@ -148,36 +136,10 @@ class Guard:
 
         ``policy`` is a ``[policy]`` table to use instead of the defaults.
         """
-        for attempt in range(5):  # the free port can be taken between probe and bind
-            address = f"127.0.0.1:{free_port()}"
-            config = parse_config(
-                {
-                    "engine": {"url": engine_url},
-                    "poll": POLL,
-                    "proxy": {"enabled": True, "listen": address, "admission": admission},
-                    "policy": policy or {},
-                },
-                env={},
-            )
-            daemon = Daemon(
-                config,
-                probes=Probes(
-                    engine=EngineProbe(engine_url, timeout_s=POLL["timeout_s"]),
-                    nvml=None,
-                    host=None,
-                ),
-            )
-            proxy = make_proxy(config, daemon)
-            try:
-                runner = await listen(proxy.app(), address, cancel=True)
-            except KvguardError:
-                await daemon.close()
-                if attempt == 4:
-                    raise
-                continue
-            daemon.proxy = proxy
-            return cls(daemon, runner, f"http://{address}")
-        raise AssertionError("unreachable")  # pragma: no cover
+        daemon, runner, url = await start_guard(
+            engine_url, poll=POLL, proxy={"admission": admission}, policy=policy
+        )
+        return cls(daemon, runner, url)
 
     def run(self, after_tick: Callable[[Snapshot], None]) -> None:
         """Start the tick loop in the background."""

@@ -26,6 +26,7 @@ from kvguard.model.budget import (
 from kvguard.model.gpus import GPU_PRESETS, gpu_preset
 from kvguard.model.units import KV_DTYPES, format_bytes, parse_bytes
 from kvguard.model_files import bundled_models, load_model_files
+from kvguard.demo import add_demo_parser
 from kvguard.sim import engine_cli, loadgen_cli
 
 EXIT_OK = 0
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvguard {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    add_demo_parser(commands)
     _add_budget(commands)
     daemon_cli.register(commands)
     engine_cli.register(commands)
