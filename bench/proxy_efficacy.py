@@ -313,7 +313,7 @@ def _record_guard(guard: Guard, run: Run) -> None:
         "shed": {f"{priority}/{reason}": n for (priority, reason), n in counters.shed.items()},
         "clamped": counters.clamped,
         "rejected": dict(counters.rejected),
-        "cancelled": counters.cancelled,
+        "cancelled": dict(counters.cancelled),  # asdict() would mangle a Counter
         "upstream_errors": dict(counters.upstream_errors),
     }
 

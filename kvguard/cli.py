@@ -14,6 +14,7 @@ from typing import NoReturn
 
 from kvguard import __version__, daemon_cli
 from kvguard.budget_report import budget_to_dict, render_budget
+from kvguard.demo import add_demo_parser
 from kvguard.errors import ConfigError, InvalidInputError, KvguardError
 from kvguard.model.budget import (
     DEFAULT_BLOCK_SIZE,
@@ -26,7 +27,6 @@ from kvguard.model.budget import (
 from kvguard.model.gpus import GPU_PRESETS, gpu_preset
 from kvguard.model.units import KV_DTYPES, format_bytes, parse_bytes
 from kvguard.model_files import bundled_models, load_model_files
-from kvguard.demo import add_demo_parser
 from kvguard.sim import engine_cli, loadgen_cli
 
 EXIT_OK = 0

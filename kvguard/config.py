@@ -30,6 +30,7 @@ from kvguard.config_fields import (
     size,
     text,
     url,
+    webhook_url,
 )
 from kvguard.errors import ConfigError, InvalidInputError
 from kvguard.model.forecast import ForecastSettings
@@ -248,7 +249,11 @@ class Config:
                 # API keys are secrets: only how many are mapped is shown.
                 "api_key_priorities": f"{len(self.proxy.api_key_priorities)} keys",
             },
-            "reconfigure": _plain(self.reconfigure),
+            "reconfigure": {
+                **_plain(self.reconfigure),  # type: ignore[dict-item]
+                # A restart command may carry credentials: the program and a count only.
+                "command": _program_only(self.reconfigure.command),
+            },
             "webhook": {
                 # Webhook URLs may carry tokens in their query: scheme, host and path only.
                 "urls": [_without_query(u) for u in self.webhook.urls],
@@ -259,6 +264,12 @@ class Config:
             },
             "dry_run": self.dry_run,
         }
+
+
+def _program_only(argv: tuple[str, ...]) -> list[str]:
+    if not argv:
+        return []
+    return [argv[0], f"<{len(argv) - 1} more arguments>"] if len(argv) > 1 else [argv[0]]
 
 
 def _without_query(address: str) -> str:
@@ -386,7 +397,7 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "command_timeout_s": number(0.0, 86_400.0),
     },
     "webhook": {
-        "urls": list_of(url),
+        "urls": list_of(webhook_url),
         "secret_file": text,
         "timeout_s": number(0.0, 600.0),
         "retries": integer(0, 20),

@@ -91,6 +91,22 @@ def url(name: str, value: object) -> object:
     return value.strip().rstrip("/")
 
 
+def webhook_url(name: str, value: object) -> object:
+    """An http(s) URL with a host; a query may carry the receiver's token (never shown)."""
+    allowed = "must be an http(s) URL with a host, e.g. https://hooks.example.com/kvguard"
+    if not isinstance(value, str):
+        raise InvalidInputError(name, value, allowed)
+    parts = urlsplit(value.strip())
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as exc:
+        raise InvalidInputError(name, "<redacted>", allowed) from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        # The value may hold a token: the error names the field, not the value.
+        raise InvalidInputError(name, "<redacted>", allowed)
+    return value.strip()
+
+
 def boolean(name: str, value: object) -> object:
     """True or false."""
     if not isinstance(value, bool):

@@ -60,6 +60,18 @@ def budget_for(config: Config, gpu_memory_bytes: int | None) -> BudgetReport | N
     )
 
 
+def _admin_keys(config: Config) -> tuple[object, ...]:
+    """What the engine's admin client was built from (it is built once, at start)."""
+    engine = config.engine
+    return (
+        engine.url,
+        engine.token,
+        engine.shed_by_pause,
+        engine.admin_timeout_s,
+        engine.admin_attempts,
+    )
+
+
 @dataclass
 class ProbeTracker(Generic[T]):
     """One probe's last good value, its staleness and its error count."""
@@ -370,6 +382,21 @@ class Daemon:
             config.poll,
         ) or (old.engine.token != config.engine.token)
         probes = Probes.from_config(config) if probes_changed else None
+        # These are built once at start (the engine's admin client, the fp8 switch, the
+        # supervisor, the webhooks): say so rather than pretend they changed.
+        kept = [
+            name
+            for name, before, after in (
+                ("reconfigure", old.reconfigure, config.reconfigure),
+                ("webhook", old.webhook, config.webhook),
+                ("webhook.secret", old.webhook.secret, config.webhook.secret),
+                ("engine (admin client)", _admin_keys(old), _admin_keys(config)),
+                ("proxy", old.proxy, config.proxy),
+            )
+            if before != after
+        ]
+        if kept:
+            log.warning("reload_needs_restart", sections=kept, hint="restart kvguard to apply them")
         # Nothing below raises: the swap is complete or never started.
         self.config = config
         self.brain.reconfigure(config)

@@ -192,16 +192,23 @@ async def serve(
 async def _shut_down(
     daemon: Daemon, runners: list[web.AppRunner], supervisor: Supervisor | None
 ) -> None:
-    """Stop in the order that loses nothing: actions (the engine resumed), servers, engine."""
-    if daemon.actuators is not None:
-        await daemon.actuators.close()
-    for runner in reversed(runners):
-        await runner.cleanup()
-    await daemon.close()
-    if daemon.webhooks is not None:
-        await daemon.webhooks.close()
-    if supervisor is not None:
-        await supervisor.stop()
+    """Stop in the order that loses nothing: actions (the engine resumed), servers, engine.
+
+    The engine is stopped last and whatever failed before: it must never outlive kvguard.
+    """
+    try:
+        try:
+            if daemon.actuators is not None:
+                await daemon.actuators.close()
+        finally:
+            for runner in reversed(runners):
+                await runner.cleanup()
+            await daemon.close()
+            if daemon.webhooks is not None:
+                await daemon.webhooks.close()
+    finally:
+        if supervisor is not None:
+            await supervisor.stop()
 
 
 def make_webhooks(config: Config) -> Webhooks:

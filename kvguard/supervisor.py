@@ -133,7 +133,8 @@ class Supervisor:
         self._pumps.append(asyncio.ensure_future(self._pump(process.stdout)))
         self._watchers = [w for w in self._watchers if not w.done()]
         self._watchers.append(asyncio.ensure_future(self._watch(process)))
-        log.info("engine_started", pid=process.pid, argv=self.argv)
+        # The program and how many arguments, never the arguments: they may hold an API key.
+        log.info("engine_started", pid=process.pid, program=self.argv[0], args=len(self.argv) - 1)
 
     async def _pump(self, stream: asyncio.StreamReader) -> None:
         """Pass the engine's output through, line by line, and look for OOMs in it."""
@@ -149,8 +150,12 @@ class Supervisor:
                 self.output.write(text)
                 self.output.flush()
             if OOM_PATTERNS.search(text):
+                now = self.clock()
+                recent = self._last_oom_at is not None and now - self._last_oom_at <= OOM_RECENT_S
+                self._last_oom_at = now
+                if recent:
+                    continue  # one OOM prints several such lines (traceback, each TP worker)
                 self.ooms += 1
-                self._last_oom_at = self.clock()
                 log.error("engine_oom", pid=self.pid, line=text.strip()[:300])
                 self.on_event("engine_oom", {"pid": self.pid, "line": text.strip()[:300]})
 

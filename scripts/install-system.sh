@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# System packages the tests use, from Debian's archive: Prometheus (with promtool)
-# for the scrape tests, systemd for `systemd-analyze verify` of the unit, nginx
+# System packages the tests use, from Debian's archive: Prometheus (with promtool) and
+# Alertmanager for the scrape and alerting tests, systemd for `systemd-analyze verify`
+# of the unit, nginx
 # (the binary package, built with auth_request) for the gateway test of /admission.
 # Needs root (CI runs as root); safe to re-run. Services the packages would start
 # are kept from starting: the tests start their own, on 127.0.0.1, and stop them.
 set -euo pipefail
 
-packages=(prometheus systemd nginx)  # promtool comes with prometheus; systemd-analyze with systemd
+packages=(prometheus prometheus-alertmanager systemd nginx)  # promtool comes with prometheus; systemd-analyze with systemd
 missing=()
 for pkg in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -176,3 +177,36 @@ def test_a_token_with_control_characters_is_refused(tmp_path):
     (tmp_path / "t").write_text("abc\x01def")
     with pytest.raises(ConfigError, match="must hold one line of printable text"):
         parse_config({"engine": {"url": "http://h:1", "token_file": str(tmp_path / "t")}}, env={})
+
+
+def test_reconfigure_and_webhook_sections(tmp_path):
+    """Required keys per mode; commands are argv lists; secrets and arguments stay hidden."""
+    secret = tmp_path / "hook-secret"
+    secret.write_text("s3cret\n")
+    config = parse_config(
+        {
+            "engine": {"url": "http://127.0.0.1:8000"},
+            "reconfigure": {"mode": "command", "command": ["kubectl", "--token=abc", "patch"]},
+            "webhook": {"urls": ["https://hooks.example/x?token=abc"], "secret_file": str(secret)},
+        },
+        env={},
+    )
+    assert config.reconfigure.command == ("kubectl", "--token=abc", "patch")
+    assert config.webhook.secret is not None
+    assert config.webhook.secret.reveal() == "s3cret"
+    shown = json.dumps(config.redacted())
+    assert "abc" not in shown
+    assert "s3cret" not in shown
+    assert config.redacted()["reconfigure"]["command"] == ["kubectl", "<2 more arguments>"]
+    with pytest.raises(ConfigError) as caught:
+        parse_config(
+            {
+                "engine": {"url": "http://127.0.0.1:8000"},
+                "reconfigure": {"mode": "systemd", "command": "restart-engine --now"},
+                "webhook": {"secret_file": str(tmp_path / "missing")},
+            },
+            env={},
+        )
+    fields = {line.split(":")[0] for line in caught.value.lines()}
+    assert {"reconfigure.systemd_unit", "reconfigure.command"} <= fields
+    assert "webhook.secret_file" not in fields  # secrets are read once the rest is valid

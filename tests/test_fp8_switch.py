@@ -138,22 +138,18 @@ async def test_sustained_pressure_switches_to_fp8_and_calm_reverts(tmp_path: Pat
             for answer in await asyncio.gather(*answers):
                 assert answer.status == 200  # drained, not cut: every one finished
                 assert (await answer.json())["usage"]["completion_tokens"] == 800
-            metrics = {
-                "dtype": await _metric(http, api_url, "kvguard_kv_cache_dtype_info", dtype="fp8"),
-                "switched": await _metric(
-                    http, api_url, "kvguard_reconfigure_total", action="kv_fp8", result="succeeded"
-                ),
-            }
-            assert metrics == {"dtype": 1.0, "switched": 1.0}
+
+            async def counted(action: str) -> bool:
+                # The pool changes as soon as the new engine answers; the switch is
+                # counted after its own health check: wait for the count itself.
+                labels = {"action": action, "result": "succeeded"}
+                return await _metric(http, api_url, "kvguard_reconfigure_total", **labels) == 1.0
+
+            await _wait_for(lambda: counted("kv_fp8"), limit_s=10, what="kv_fp8 counted")
+            dtype = await _metric(http, api_url, "kvguard_kv_cache_dtype_info", dtype="fp8")
+            assert dtype == 1.0
             await _wait_for(lambda: at(POOL_TOKENS), limit_s=60, what="calm: reverted")
-            reverted = await _metric(
-                http,
-                api_url,
-                "kvguard_reconfigure_total",
-                action="revert_kv_fp8",
-                result="succeeded",
-            )
-            assert reverted == 1.0
+            await _wait_for(lambda: counted("revert_kv_fp8"), limit_s=10, what="revert counted")
             restarts = await _metric(
                 http, api_url, "kvguard_engine_restarts_total", reason="reconfigure"
             )

@@ -37,6 +37,7 @@ marker = pathlib.Path(sys.argv[1])
 if not marker.exists():
     marker.write_text("crashed")
     print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
+    print("RuntimeError: CUDA error: out of memory (rank 1)", flush=True)  # same OOM, again
     sys.exit(1)
 print("engine up", flush=True)
 time.sleep(60)
@@ -62,7 +63,7 @@ async def test_a_crashed_engine_is_restarted_and_an_oom_is_counted(tmp_path: Pat
     try:
         await _until(lambda: "engine up" in output.getvalue())
         assert supervisor.restarts["oom"] == 1
-        assert supervisor.ooms == 1
+        assert supervisor.ooms == 1  # two lines, one OOM
         assert supervisor.last_exit_code == 1
         assert sleeps == [1.0]  # the first backoff
         assert supervisor.running

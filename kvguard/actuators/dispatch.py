@@ -67,6 +67,8 @@ class Actuators:
             return
         self.kind = kind
         self.admin, self.reconfigurer = self.build(kind)
+        if self.reconfigurer is not None and self.reconfigurer.fp8:
+            self.on_fp8(True)  # kvguard's fp8 drop-in outlived a restart of kvguard
 
     def unavailable(self) -> dict[str, str]:
         """Actions this engine cannot take now, with why (the ladder falls through)."""
@@ -79,15 +81,29 @@ class Actuators:
                 else f"{self.kind or 'this engine'} offers no cache eviction kvguard can call"
                 " (vLLM needs VLLM_SERVER_DEV_MODE=1)"
             )
-        if self.reconfigurer is None:
-            why = (
-                'no way to restart the engine: set [reconfigure] mode, or run it as "-- <command>"'
-            )
-            out["kv_fp8"] = out["revert_kv_fp8"] = why
-        elif not supports_fp8(self.kind):
-            why = f"kvguard cannot switch the KV dtype of {self.kind or 'an unknown engine'}"
+        why = self._why_no_switch()
+        if why is not None:
             out["kv_fp8"] = out["revert_kv_fp8"] = why
         return out
+
+    def _why_no_switch(self) -> str | None:
+        if self.kind is not None and not supports_fp8(self.kind):
+            return (
+                f"kvguard cannot switch the KV dtype of {self.kind} (it is built into its engine)"
+            )
+        reconfigurer = self.reconfigurer
+        if reconfigurer is None:
+            return (
+                'no way to restart the engine: set [reconfigure] mode, or run it as "-- <command>"'
+            )
+        if reconfigurer.original_8bit:
+            return "the engine already starts with an 8-bit KV cache"
+        if not reconfigurer.drain.can_stop_admitting():
+            return (
+                "no way to stop admitting for the drain: enable [proxy], or use an engine"
+                " with a pause endpoint (vLLM in dev mode, SGLang)"
+            )
+        return None
 
     # ------------------------------------------------------------------ starting
     def launch(self, action: Action) -> bool:
@@ -101,7 +117,10 @@ class Actuators:
             return self._start(kind, self._switch(fp8=kind == "kv_fp8"))
         if kind == "shed" and self._pause_sheds() and action.priority == "standard":
             return not self.paused and self._start("pause", self._pause())
-        if kind == "release" and action.target == "shed" and self.paused:
+        if self.paused and (
+            (kind == "release" and action.target == "shed")
+            or (kind == "shed" and action.priority != "standard")  # down from critical
+        ):
             return self._start("resume", self._resume())
         return False
 
@@ -128,6 +147,9 @@ class Actuators:
 
     async def _pause(self) -> None:
         assert self.admin is not None  # noqa: S101 - launch checked it
+        # vLLM stops admitting as soon as the pause arrives but answers later: from
+        # now on the engine may be paused, so a cancelled call still gets a resume.
+        self.paused = True
         result = await self.admin.pause()
         self.paused = result.ok
         self._admin_done(result)
@@ -139,12 +161,21 @@ class Actuators:
         self._admin_done(result)
 
     async def _switch(self, *, fp8: bool) -> None:
-        assert self.reconfigurer is not None  # noqa: S101 - launch checked it
-        result = await self.reconfigurer.switch(fp8=fp8)
-        self.results[
-            (result.action, "succeeded" if result.result == "succeeded" else "failed")
-        ] += 1
-        self.on_fp8(self.reconfigurer.fp8)
+        reconfigurer = self.reconfigurer
+        assert reconfigurer is not None  # noqa: S101 - launch checked it
+        action = "kv_fp8" if fp8 else "revert_kv_fp8"
+        outcome = "failed"
+        try:
+            result = await reconfigurer.switch(fp8=fp8)
+            outcome = "succeeded" if result.result == "succeeded" else "failed"
+        except Exception as exc:  # noqa: BLE001 - a bug here must not leave the ladder wrong
+            log.error("action_result", action=action, result="failed", detail=repr(exc)[:300])  # noqa: TRY400
+        finally:
+            self.results[(action, outcome)] += 1
+            # Whatever happened, the ladder learns what the engine's cache is now; and a
+            # restarted engine starts unpaused.
+            self.on_fp8(reconfigurer.fp8)
+            self.paused = False
 
     def _admin_done(self, result: AdminResult) -> None:
         outcome = "succeeded" if result.ok else "failed"

@@ -30,6 +30,10 @@ class ProxyDrain:
         self.proxy = proxy
         self.mitigations = mitigations
 
+    def can_stop_admitting(self) -> bool:
+        """The proxy always can."""
+        return True
+
     async def stop_admitting(self, retry_after_s: int) -> str | None:
         """Refuse every generation request from now on."""
         if not self.mitigations.enforcing:
@@ -60,6 +64,10 @@ class EnginePauseDrain:
         self.admin = admin
         self.engine_stats = engine_stats
         self.cancelled_by_restart = 0
+
+    def can_stop_admitting(self) -> bool:
+        """Whether the engine has a pause endpoint (as far as kvguard knows)."""
+        return self.admin.supports("pause")
 
     async def stop_admitting(self, retry_after_s: int) -> str | None:
         """Pause the engine: running requests finish, new ones are refused or wait."""

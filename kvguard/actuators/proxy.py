@@ -181,17 +181,8 @@ class AdmissionProxy:
         self, request: web.Request, body: bytes, request_id: str
     ) -> web.StreamResponse | tuple[bytes, InflightRequest | None]:
         priority = self.priority_of(request.headers)
-        if self.mitigations.draining and self.mitigations.enforcing:
-            # Every class, critical too: the engine is about to restart.
-            self.counters.shed[(priority, "draining")] += 1
-            return _error(
-                503,
-                "kvguard is restarting the engine to change its KV cache; retry after"
-                f" {self.mitigations.drain_retry_after_s} s",
-                "server_overloaded",
-                code="kv_cache_reconfigure",
-                headers={"Retry-After": str(self.mitigations.drain_retry_after_s)},
-            )
+        if self._draining():
+            return self._refuse_draining(priority)
         shed_class = self.mitigations.sheds(priority)
         # Cheap, before anything is parsed, so a flood of shed requests stays cheap: no
         # pool to measure against, or already HELD_POOLS pools' worth of requests held.
@@ -244,8 +235,12 @@ class AdmissionProxy:
                 body = json.dumps(payload).encode()
         tracked = InflightRequest(request_id, priority, prompt, max_tokens)
         if shed_class and not await self._hold_for_room(tracked):
-            return self._shed(priority, request_id)
-        if not await self._make_room(tracked):
+            return (
+                self._refuse_draining(priority)
+                if self._draining()
+                else self._shed(priority, request_id)
+            )
+        if not await self._make_room(tracked) and not self._draining():
             self.counters.shed[(priority, "kv_pool_full")] += 1
             # One line per shed request would flood the log in a burst: debug level;
             # kvguard_requests_shed_total and the `decision` event tell the story.
@@ -260,7 +255,26 @@ class AdmissionProxy:
                 code="kv_cache_pressure",
                 headers={"Retry-After": str(self.mitigations.retry_after_s)},
             )
+        if self._draining():
+            # A drain began while this one waited for a token count or for room: the
+            # engine is about to restart, so it must not be forwarded now.
+            return self._refuse_draining(priority)
         return body, tracked
+
+    def _draining(self) -> bool:
+        return self.mitigations.draining and self.mitigations.enforcing
+
+    def _refuse_draining(self, priority: str) -> web.StreamResponse:
+        """The 503 for every class (critical too) while the engine is drained for a restart."""
+        self.counters.shed[(priority, "draining")] += 1
+        retry_after = self.mitigations.drain_retry_after_s
+        return _error(
+            503,
+            f"kvguard is restarting the engine to change its KV cache; retry after {retry_after} s",
+            "server_overloaded",
+            code="kv_cache_reconfigure",
+            headers={"Retry-After": str(retry_after)},
+        )
 
     def _shed(self, priority: str, request_id: str) -> web.StreamResponse:
         """The 503 for a request of a class the policy sheds now."""
@@ -312,8 +326,12 @@ class AdmissionProxy:
         own = self._own(tracked)
         self._held_tokens += own
         try:
-            return await self._wait_until(
-                lambda: self._room_under(self.settings.shed_ratio, own), self.settings.shed_wait_s
+            return (
+                await self._wait_until(
+                    lambda: self._room_under(self.settings.shed_ratio, own),
+                    self.settings.shed_wait_s,
+                )
+                and not self._draining()
             )
         finally:
             self._held_tokens -= own
@@ -327,6 +345,8 @@ class AdmissionProxy:
         self.waiting += 1
         try:
             while not fits():
+                if self._draining():
+                    return False  # the caller refuses it: the engine is about to restart
                 left = deadline - loop.time()
                 if left <= 0:
                     return False
@@ -437,12 +457,29 @@ class AdmissionProxy:
     ) -> web.StreamResponse:
         url = self._upstream + request.rel_url.raw_path_qs  # only ever the upstream host
         upstream: aiohttp.ClientResponse | None = None
+        task = asyncio.current_task()
         if tracked is not None:
             self.inflight.add(tracked)
+            # Until the engine's headers arrive (for a whole answer: when it is done),
+            # cancelling means cancelling this handler, which drops the connection.
+            tracked.cancel = _canceller(task)
         try:
             try:
                 upstream = await self.session().request(
                     request.method, url, headers=headers, data=body or None, allow_redirects=False
+                )
+            except asyncio.CancelledError:
+                if tracked is None or not tracked.cancelled or task is None:
+                    raise  # our client left (or kvguard stops): not ours to answer
+                uncancel = getattr(task, "uncancel", None)  # 3.11+: this cancel is handled
+                if uncancel is not None:
+                    uncancel()
+                return _error(
+                    503,
+                    _cancel_message(tracked),
+                    "server_overloaded",
+                    code=_cancel_code(tracked),
+                    headers={"Retry-After": str(self._retry_after(tracked))},
                 )
             except (asyncio.TimeoutError, TimeoutError):
                 self.counters.upstream_errors["504"] += 1
@@ -490,7 +527,7 @@ class AdmissionProxy:
                         "server_overloaded",
                         code=_cancel_code(tracked),
                         # Without it, SDK clients resubmit the same large request at once.
-                        headers={"Retry-After": str(self.mitigations.retry_after_s)},
+                        headers={"Retry-After": str(self._retry_after(tracked))},
                     )
                 self.counters.upstream_errors["502"] += 1
                 return _error(502, "the engine closed the connection", "upstream_error")
@@ -526,6 +563,12 @@ class AdmissionProxy:
         return response
 
     # ------------------------------------------------------------------ actions
+    def _retry_after(self, tracked: InflightRequest) -> int:
+        """Seconds a cancelled client should wait: until the restart, or the shed estimate."""
+        if tracked.cancel_reason == "drain":
+            return self.mitigations.drain_retry_after_s
+        return self.mitigations.retry_after_s
+
     def cancel_largest(self) -> bool:
         """Cut the upstream connection of the largest non-critical request.
 
@@ -557,6 +600,16 @@ class AdmissionProxy:
             kv_tokens=victim.footprint_tokens,
             reason=reason,
         )
+
+
+def _canceller(task: asyncio.Task[Any] | None) -> Callable[[], None] | None:
+    if task is None:
+        return None
+
+    def cancel() -> None:
+        task.cancel()
+
+    return cancel
 
 
 def _cancel_message(tracked: InflightRequest) -> str:

@@ -60,6 +60,8 @@ class Restarter(Protocol):
     """Restarts the engine with an 8-bit KV cache (``fp8``) or its original one."""
 
     description: str
+    starts_8bit: bool  # the engine runs with kvguard's fp8 flags already (a kept drop-in)
+    original_8bit: bool  # its own command asks for an 8-bit cache
 
     async def apply(self, *, fp8: bool) -> None:
         """Restart; raises :class:`ReconfigureError` when the restart itself fails."""
@@ -67,6 +69,9 @@ class Restarter(Protocol):
 
 class Drain(Protocol):
     """Stops and re-opens admission, and says what is still in flight."""
+
+    def can_stop_admitting(self) -> bool:
+        """Whether this drain has a way to stop admission at all."""
 
     async def stop_admitting(self, retry_after_s: int) -> str | None:
         """Stop new requests; returns why it cannot (None when it did)."""
@@ -90,6 +95,8 @@ class SupervisorRestarter:
         self.kind = kind
         self.original = list(supervisor.argv)
         self.description = f"supervisor ({supervisor.argv[0]})"
+        self.starts_8bit = False  # kvguard started it with its own command
+        self.original_8bit = is_8bit(kv_dtype_of(self.original, kind))
 
     async def apply(self, *, fp8: bool) -> None:
         """Restart the child with fp8 flags, or with the command it was started with."""
@@ -130,9 +137,15 @@ async def run_argv(argv: Sequence[str], *, env: Mapping[str, str], timeout_s: fl
         await process.wait()
         raise ReconfigureError(f"{argv[0]!r} did not finish within {timeout_s:g} s") from exc
     if process.returncode != 0:
-        tail = output.decode("utf-8", "replace").strip().splitlines()[-3:]
+        # The output and the arguments may hold credentials: they go to the log only
+        # (the error travels further, to /status and the webhooks).
+        tail = output.decode("utf-8", "replace").strip().splitlines()[-5:]
+        log.warning(
+            "restart_command_failed", program=argv[0], exit_code=process.returncode, output=tail
+        )
         raise ReconfigureError(
-            f"{' '.join(argv[:3])} exited {process.returncode}: {' | '.join(tail)[:300]}"
+            f"{argv[0]!r} exited {process.returncode} (its output is in kvguard's log:"
+            " restart_command_failed)"
         )
 
 
@@ -159,6 +172,9 @@ class SystemdRestarter:
         self.systemctl = list(systemctl)
         self.timeout_s = timeout_s
         self.description = f"systemd ({unit})"
+        # The drop-in is kvguard's state on disk: it outlives a kvguard restart.
+        self.starts_8bit = self.dropin.exists()
+        self.original_8bit = False
 
     async def apply(self, *, fp8: bool) -> None:
         """Write (or remove) the drop-in, reload systemd, restart the unit."""
@@ -195,6 +211,10 @@ class CommandRestarter:
         self.kind = kind
         self.timeout_s = timeout_s
         self.description = f"command ({self.argv[0]})"
+        # Nothing on this side records a switch: after a kvguard restart it assumes the
+        # engine runs its original flags (docs/mitigations.md says so).
+        self.starts_8bit = False
+        self.original_8bit = False
 
     async def apply(self, *, fp8: bool) -> None:
         """Run the command with the change in its environment."""
@@ -233,7 +253,9 @@ class Reconfigurer:
         self.on_event = on_event or (lambda _event, _fields: None)
         self.clock = clock
         self.sleep = sleep
-        self.fp8 = False
+        self.fp8 = restarter.starts_8bit
+        # The command kvguard would revert to already asks for an 8-bit cache: nothing to do.
+        self.original_8bit = restarter.original_8bit
         self.busy = False
         # (action, result), present from the start: 0 is not absent.
         self.results: Counter[tuple[str, str]] = Counter(
@@ -261,11 +283,12 @@ class Reconfigurer:
         # Clients should come back after the restart, but OpenAI's SDK ignores
         # Retry-After over 60 s (and retries at once): cap it there.
         retry_after = int(self.times.drain_timeout_s + self.times.start_timeout_s)
-        why_not = await self.drain.stop_admitting(max(1, min(60, retry_after)))
-        if why_not is not None:
-            return ReconfigureResult(action, "failed", f"cannot stop admitting: {why_not}")
-        log.warning("drain_started", action=action, timeout_s=self.times.drain_timeout_s)
         try:
+            # Inside the try: a pause that was sent but not answered is still undone.
+            why_not = await self.drain.stop_admitting(max(1, min(60, retry_after)))
+            if why_not is not None:
+                return ReconfigureResult(action, "failed", f"cannot stop admitting: {why_not}")
+            log.warning("drain_started", action=action, timeout_s=self.times.drain_timeout_s)
             drain_s, cancelled = await self._wait_for_drain()
             self.last_drain_s = drain_s
             self.cancelled += cancelled
@@ -328,7 +351,7 @@ class Reconfigurer:
         except ReconfigureError as exc:
             detail = f"{error}; the rollback failed too: {exc}"
             return ReconfigureResult(action, "failed", detail, drain_s, cancelled)
-        detail = f"{error}; rolled back to the original flags"
+        detail = f"{error}; rolled back to the flags it ran with before"
         return ReconfigureResult(action, "rolled_back", detail, drain_s, cancelled, dtype)
 
     def _done(self, result: ReconfigureResult) -> ReconfigureResult:

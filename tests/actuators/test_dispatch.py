@@ -79,6 +79,12 @@ async def test_shed_by_pause_pauses_and_release_resumes(sim_engine):
     assert not await paused()
     assert actuators.launch(Action("shed", "test", priority="standard"))
     await _settle(actuators)
+    # Down from critical to high: the floor becomes sheddable, and the pause ends.
+    assert actuators.launch(Action("shed", "test", priority="sheddable"))
+    await _settle(actuators)
+    assert not await paused()
+    assert actuators.launch(Action("shed", "test", priority="standard"))
+    await _settle(actuators)
     await actuators.close()  # never leave the engine paused
     assert not await paused()
     assert not actuators.paused

@@ -509,3 +509,26 @@ async def test_held_requests_are_bounded(sim_server, proxy_to):
             answer.close()
         (await first).close()
     assert state.counters.shed == {("standard", "kv_cache_pressure"): len(held) + 1}
+
+
+async def test_a_request_held_when_a_drain_begins_is_refused_not_forwarded(sim_server, proxy_to):
+    """Held for room, then the engine is drained for a restart: 503, never to the engine."""
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
+    mitigations = Mitigations(shed_floor="standard", level="critical", pool_tokens=1000)
+    proxy, state = await proxy_to(server.url, mitigations, shed_ratio=1.0, shed_wait_s=20)
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.ensure_future(
+            http.post(f"{proxy}/v1/completions", json=completion(400, 300))
+        )
+        await _until(lambda: len(state.inflight) == 1)
+        held = asyncio.ensure_future(
+            http.post(f"{proxy}/v1/completions", json=completion(400, 300))
+        )
+        await _until(lambda: state.waiting == 1)
+        mitigations.draining = True  # the fp8 switch begins while it waits
+        async with await first as resp:
+            assert resp.status == 200  # in flight before the drain: it finishes
+        async with await held as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "kv_cache_reconfigure"
+    assert state.counters.shed == {("standard", "draining"): 1}

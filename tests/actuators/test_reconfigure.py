@@ -174,6 +174,25 @@ async def test_what_outlasts_the_drain_is_cancelled_with_a_clear_error(rig: Rig)
     assert rig.proxy.counters.cancelled["drain"] == 1
 
 
+async def test_a_whole_answer_still_running_at_the_timeout_gets_the_drain_error(rig: Rig):
+    """A non-streaming request (no headers from the engine yet) is cut too, with a 503."""
+    await rig.healthy()
+    reconfigurer = rig.switch(drain_timeout_s=0.3, start_timeout_s=30)
+    async with aiohttp.ClientSession() as http:
+        body = {"prompt": "hello " * 20, "max_tokens": 1500}
+        running = asyncio.ensure_future(http.post(f"{rig.proxy_url}/v1/completions", json=body))
+        await _until(lambda: len(rig.proxy.inflight) == 1)
+        result = await reconfigurer.switch(fp8=True)
+        async with await running as answer:
+            assert answer.status == 503
+            assert int(answer.headers["Retry-After"]) >= 1
+            error = (await answer.json())["error"]
+    assert result.result == "succeeded", result.detail
+    assert result.cancelled == 1
+    assert error["code"] == "kv_cache_reconfigure"
+    assert rig.proxy.counters.cancelled["drain"] == 1
+
+
 async def test_a_failed_restart_rolls_back_to_the_original_command(rig: Rig):
     """fp8 flags the engine rejects: no health in time, so the original command comes back."""
     capacity = await rig.healthy()
@@ -252,10 +271,19 @@ async def test_command_mode_passes_the_change_in_the_environment(tmp_path: Path)
     assert second["env"]["KVGUARD_KV_CACHE_DTYPE"] == "auto"
 
 
-async def test_a_failing_command_is_a_clear_error(tmp_path: Path):
-    """Exit status and the last lines of output, not a traceback."""
+async def test_a_failing_command_is_a_clear_error_that_keeps_its_output_in_the_log(
+    tmp_path: Path,
+):
+    """Exit status in the error (which reaches webhooks); the output only in the log."""
+    from structlog.testing import capture_logs  # noqa: PLC0415
+
     from kvguard.actuators.reconfigure import ReconfigureError  # noqa: PLC0415
 
-    fail = [sys.executable, "-c", "import sys; print('no such deployment'); sys.exit(3)"]
-    with pytest.raises(ReconfigureError, match="exited 3: no such deployment"):
+    fail = [sys.executable, "-c", "import sys; print('token=abc123'); sys.exit(3)", "--key=s"]
+    with capture_logs() as logs, pytest.raises(ReconfigureError) as caught:
         await CommandRestarter(fail, "vllm").apply(fp8=True)
+    assert "exited 3" in str(caught.value)
+    assert "abc123" not in str(caught.value)
+    assert "--key=s" not in str(caught.value)
+    (event,) = [e for e in logs if e["event"] == "restart_command_failed"]
+    assert event["output"] == ["token=abc123"]
