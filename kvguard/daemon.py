@@ -226,6 +226,9 @@ class Daemon:
     async def tick(self) -> Snapshot:
         """Run every probe once (concurrently, each with its timeout) and publish a snapshot."""
         started = self.clock()
+        host = self.probes.host
+        if self.supervisor is not None and isinstance(host, HostProbe):
+            host.follow(self.supervisor.pid)  # the engine kvguard started (it may restart)
         trackers = self.state.trackers
         await asyncio.gather(*(self._sample(name, t) for name, t in trackers.items()))
         now = self.clock()

@@ -125,3 +125,32 @@ def test_an_empty_command_is_refused():
     """`kvguard run --` with nothing after it says what to give."""
     with pytest.raises(KvguardError, match="after `--`"):
         Supervisor([])
+
+
+async def test_the_daemon_watches_the_process_it_supervises(sim_engine):
+    """Supervisor mode: the host probe follows the engine's PID (RSS, CPU) across restarts."""
+    from kvguard.config import parse_config  # noqa: PLC0415
+    from kvguard.daemon import Daemon, Probes  # noqa: PLC0415
+    from kvguard.probes.engine import EngineProbe  # noqa: PLC0415
+    from kvguard.probes.host import HostProbe  # noqa: PLC0415
+
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    config = parse_config({"engine": {"url": url}}, env={})
+    daemon = Daemon(config, probes=Probes(EngineProbe(url), nvml=None, host=HostProbe()))
+    output = io.StringIO()
+    script = "import time; print('up', flush=True); time.sleep(60)"
+    daemon.supervisor = Supervisor([sys.executable, "-c", script], output=output)
+    await daemon.supervisor.start()
+    try:
+        await _until(lambda: "up" in output.getvalue())
+        snapshot = await daemon.tick()
+        assert snapshot.host is not None
+        assert snapshot.host.engine_pid == daemon.supervisor.pid
+        assert snapshot.host.engine_resident_bytes
+        await daemon.supervisor.restart([sys.executable, "-c", script])
+        snapshot = await daemon.tick()
+        assert snapshot.host is not None
+        assert snapshot.host.engine_pid == daemon.supervisor.pid
+    finally:
+        await daemon.supervisor.stop()
+        await daemon.close()

@@ -76,6 +76,13 @@ class HostProbe:
         # A sample abandoned by the daemon's timeout may still be running in its thread.
         self._lock = threading.Lock()
 
+    def follow(self, pid: int | None) -> None:
+        """Watch ``pid`` from now on (supervisor mode: the engine kvguard started)."""
+        if pid is not None and pid != self._pid and self._process_name is None:
+            # No lock: a sample may hold it in its thread, and the loop must not wait.
+            # Each assignment is atomic; a sample running now finishes on the old PID.
+            self._pid, self._process = pid, None
+
     async def sample(self) -> HostStats:
         """Host memory and, when configured and running, the engine process.
 
