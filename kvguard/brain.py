@@ -24,7 +24,14 @@ from kvguard.actuators.mitigations import Mitigations, Outcome
 from kvguard.config import Config
 from kvguard.model.forecast import Forecast, forecast
 from kvguard.model.pattern import PatternReading, PatternThresholds, classify
-from kvguard.model.policy import Action, Decision, GuardState, PolicyConfig, decide
+from kvguard.model.policy import (
+    ACTION_KINDS,
+    Action,
+    Decision,
+    GuardState,
+    PolicyConfig,
+    decide,
+)
 from kvguard.model.series import TickSample, tick_sample
 from kvguard.model.snapshot import Snapshot
 
@@ -92,7 +99,12 @@ class Brain:
         self.pattern: PatternReading | None = None
         self.decision: Decision | None = None
         self.decisions: deque[DecisionRecord] = deque(maxlen=DECISIONS_KEPT)
-        self.counts: Counter[tuple[str, str]] = Counter()
+        # Every (action, mode) this brain can count, from 0: a series that appears at its
+        # first increment is one increase() cannot see.
+        modes = ("dry_run",) if dry_run else ("applied", "started", "not_applied")
+        self.counts: Counter[tuple[str, str]] = Counter(
+            {(kind, mode): 0 for kind in ACTION_KINDS for mode in modes}
+        )
         # Actions the engine cannot take (kind -> why): the ladder falls through them.
         self.unavailable: dict[str, str] = {}
         self._said_unavailable: dict[str, str] = {}

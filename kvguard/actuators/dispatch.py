@@ -53,7 +53,7 @@ class Actuators:
         self.results: Counter[tuple[str, str]] = Counter(
             {
                 (a, r): 0
-                for a in ("evict", "kv_fp8", "revert_kv_fp8")
+                for a in ("evict", "pause", "resume", "kv_fp8", "revert_kv_fp8")
                 for r in ("succeeded", "failed")
             }
         )
