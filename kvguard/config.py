@@ -531,27 +531,34 @@ def _cross_checks(sections: dict[str, dict[str, object]]) -> list[tuple[str, obj
     return problems
 
 
+Problem = tuple[str, object, str]
+
+
+def _secret_file(
+    field_name: str, name: str, base: Path, *, one_line: bool
+) -> tuple[Secret | None, Problem | None]:
+    """A secret read from file ``name`` (relative to the config file's folder)."""
+    path = Path(name)
+    path = path if path.is_absolute() else base / path
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        return None, (field_name, name, f"must be a readable file ({exc.strerror})")
+    if not text:
+        return None, (field_name, name, "must not be empty")
+    if one_line and not _printable(text):
+        return None, (field_name, name, "must hold one line of printable text")
+    return Secret(text), None
+
+
 def _read_token(
     engine: dict[str, object], env: Mapping[str, str], base: Path
-) -> tuple[Secret | None, tuple[str, object, str] | None]:
+) -> tuple[Secret | None, Problem | None]:
     """The engine token from ``token_file`` (relative to the config file) or the environment."""
     token_file = engine.get("token_file")
     if isinstance(token_file, str):
-        path = Path(token_file)
-        path = path if path.is_absolute() else base / path
-        try:
-            text = path.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            return None, (
-                "engine.token_file",
-                token_file,
-                f"must be a readable file ({exc.strerror})",
-            )
-        if not text:
-            return None, ("engine.token_file", token_file, "must not be empty")
-        if not _printable(text):
-            return None, ("engine.token_file", token_file, "must hold one line of printable text")
-        return Secret(text), None
+        # It travels in an HTTP header: one line of printable text.
+        return _secret_file("engine.token_file", token_file, base, one_line=True)
     if env.get(TOKEN_ENV):
         text = env[TOKEN_ENV].strip()
         if not _printable(text):
@@ -560,26 +567,12 @@ def _read_token(
     return None, None
 
 
-def _read_secret(
-    webhook: dict[str, object], base: Path
-) -> tuple[Secret | None, tuple[str, object, str] | None]:
+def _read_secret(webhook: dict[str, object], base: Path) -> tuple[Secret | None, Problem | None]:
     """The webhook signing secret from ``secret_file`` (relative to the config file)."""
     secret_file = webhook.get("secret_file")
     if not isinstance(secret_file, str):
         return None, None
-    path = Path(secret_file)
-    path = path if path.is_absolute() else base / path
-    try:
-        value = path.read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        return None, (
-            "webhook.secret_file",
-            secret_file,
-            f"must be a readable file ({exc.strerror})",
-        )
-    if not value:
-        return None, ("webhook.secret_file", secret_file, "must not be empty")
-    return Secret(value), None
+    return _secret_file("webhook.secret_file", secret_file, base, one_line=False)
 
 
 def _printable(text: str) -> bool:

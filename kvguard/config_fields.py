@@ -8,7 +8,7 @@ the value and what is allowed (so every problem can be collected and shown at on
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from kvguard.errors import InvalidInputError
 from kvguard.model.units import parse_bytes
@@ -73,38 +73,38 @@ def size(name: str, value: object) -> object:
     return size
 
 
-def url(name: str, value: object) -> object:
-    """An http(s) URL with a host and no query, fragment or credentials."""
-    allowed = "must be an http(s) URL with a host, e.g. http://127.0.0.1:8000"
+def _http_url(name: str, value: object, allowed: str, *, shown: object) -> SplitResult:
+    """``value`` split as an http(s) URL with a host; errors show ``shown``, not the value."""
     if not isinstance(value, str):
         raise InvalidInputError(name, value, allowed)
     parts = urlsplit(value.strip())
     try:
         parts.port  # noqa: B018 - raises ValueError for a bad port
     except ValueError as exc:
-        raise InvalidInputError(name, value, allowed) from exc
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise InvalidInputError(name, shown, allowed) from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidInputError(name, shown, allowed)
+    return parts
+
+
+def url(name: str, value: object) -> object:
+    """An http(s) URL with a host and no query, fragment or credentials."""
+    allowed = "must be an http(s) URL with a host, e.g. http://127.0.0.1:8000"
+    parts = _http_url(name, value, allowed, shown=value)
+    if parts.query or parts.fragment:
         raise InvalidInputError(name, value, allowed)
     if parts.username or parts.password:
         # A URL ends up in logs and /status; credentials belong in token_file.
         raise InvalidInputError(name, "<redacted>", "must not hold credentials (use token_file)")
-    return value.strip().rstrip("/")
+    return str(value).strip().rstrip("/")
 
 
 def webhook_url(name: str, value: object) -> object:
     """An http(s) URL with a host; a query may carry the receiver's token (never shown)."""
     allowed = "must be an http(s) URL with a host, e.g. https://hooks.example.com/kvguard"
-    if not isinstance(value, str):
-        raise InvalidInputError(name, value, allowed)
-    parts = urlsplit(value.strip())
-    try:
-        parts.port  # noqa: B018 - raises ValueError for a bad port
-    except ValueError as exc:
-        raise InvalidInputError(name, "<redacted>", allowed) from exc
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        # The value may hold a token: the error names the field, not the value.
-        raise InvalidInputError(name, "<redacted>", allowed)
-    return value.strip()
+    # The value may hold a token: errors name the field, not the value.
+    _http_url(name, value, allowed, shown="<redacted>")
+    return str(value).strip()
 
 
 def boolean(name: str, value: object) -> object:

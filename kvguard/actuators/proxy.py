@@ -474,13 +474,7 @@ class AdmissionProxy:
                 uncancel = getattr(task, "uncancel", None)  # 3.11+: this cancel is handled
                 if uncancel is not None:
                     uncancel()
-                return _error(
-                    503,
-                    _cancel_message(tracked),
-                    "server_overloaded",
-                    code=_cancel_code(tracked),
-                    headers={"Retry-After": str(self._retry_after(tracked))},
-                )
+                return self._cancelled(tracked)
             except (asyncio.TimeoutError, TimeoutError):
                 self.counters.upstream_errors["504"] += 1
                 return _error(504, "the engine did not answer in time", "upstream_timeout")
@@ -521,14 +515,7 @@ class AdmissionProxy:
                 first = await upstream.content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError):
                 if tracked is not None and tracked.cancelled:
-                    return _error(
-                        503,
-                        _cancel_message(tracked),
-                        "server_overloaded",
-                        code=_cancel_code(tracked),
-                        # Without it, SDK clients resubmit the same large request at once.
-                        headers={"Retry-After": str(self._retry_after(tracked))},
-                    )
+                    return self._cancelled(tracked)
                 self.counters.upstream_errors["502"] += 1
                 return _error(502, "the engine closed the connection", "upstream_error")
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -563,6 +550,17 @@ class AdmissionProxy:
         return response
 
     # ------------------------------------------------------------------ actions
+    def _cancelled(self, tracked: InflightRequest) -> web.StreamResponse:
+        """The 503 for a request kvguard cancelled before its answer began."""
+        return _error(
+            503,
+            _cancel_message(tracked),
+            "server_overloaded",
+            code=_cancel_code(tracked),
+            # Without it, SDK clients resubmit the same large request at once.
+            headers={"Retry-After": str(self._retry_after(tracked))},
+        )
+
     def _retry_after(self, tracked: InflightRequest) -> int:
         """Seconds a cancelled client should wait: until the restart, or the shed estimate."""
         if tracked.cancel_reason == "drain":
