@@ -54,8 +54,19 @@ def _from_slots(slots: list[dict[str, Any]] | None) -> tuple[int | None, int | N
         # Slots split the context (-c) between them, so their n_ctx add up to it.
         capacity += n_ctx
         if slot.get("is_processing") is True:
-            used += (_count(slot.get("n_prompt_tokens")) or 0) + _decoded(slot)
+            used += _held(slot)
     return capacity, used
+
+
+def _held(slot: dict[str, Any]) -> int:
+    """Tokens a busy slot holds in the cache: its prompt (cached + processed) and output."""
+    processed = _count(slot.get("n_prompt_tokens_processed"))
+    if processed is not None:
+        # Newer llama.cpp: n_prompt_tokens is the slot's whole token list, generated
+        # tokens included; the prompt is what came from the cache plus what was processed.
+        return processed + (_count(slot.get("n_prompt_tokens_cache")) or 0) + _decoded(slot)
+    # Older llama.cpp (and ENGINES.md): n_prompt_tokens is the prompt alone.
+    return (_count(slot.get("n_prompt_tokens")) or 0) + _decoded(slot)
 
 
 def _decoded(slot: dict[str, Any]) -> int:
