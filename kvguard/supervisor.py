@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import signal
 import sys
@@ -170,8 +171,10 @@ class Supervisor:
             await asyncio.wait_for(process.wait(), self.stop_timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             log.warning("engine_killed", pid=process.pid, after_s=self.stop_timeout_s)
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                # The whole group (it was started in a session of its own): an engine's
+                # workers must not be orphaned when its main process will not stop.
+                os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
         self.last_exit_code = process.returncode
 

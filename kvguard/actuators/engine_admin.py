@@ -336,8 +336,12 @@ class EngineAdmin:
         return self._rejected(line, reply)
 
     async def _vllm_pause(self) -> _Step:
-        line = f"POST /pause?mode={VLLM_PAUSE_MODE}"
-        sent = await self._send("POST", "/pause", params={"mode": VLLM_PAUSE_MODE})
+        # clear_cache=false: vLLM would otherwise drop its whole prefix cache once the
+        # drain ends, a side effect a pause is not meant to have.
+        line = f"POST /pause?mode={VLLM_PAUSE_MODE}&clear_cache=false"
+        sent = await self._send(
+            "POST", "/pause", params={"mode": VLLM_PAUSE_MODE, "clear_cache": "false"}
+        )
         if isinstance(sent, _NoReply) and sent.timed_out and await self._vllm_is_paused():
             # mode=wait may answer only once running requests finish; admission is
             # already stopped, which is what pausing is for.

@@ -285,7 +285,7 @@ async def test_vllm_pause_that_outlasts_the_timeout_is_confirmed_by_is_paused(re
     assert (result.ok, result.attempts) == (True, 1)
     assert "still finishing" in result.detail
     assert [(s["method"], s["path"]) for s in seen] == [
-        ("POST", "/pause?mode=wait"),
+        ("POST", "/pause?mode=wait&clear_cache=false"),
         ("GET", "/is_paused"),
     ]
     assert sleep.delays == []
