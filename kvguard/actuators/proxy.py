@@ -524,10 +524,10 @@ class AdmissionProxy:
                 response.headers.add(name, value)
         if "Content-Length" in upstream.headers:
             response.content_length = int(upstream.headers["Content-Length"])
-        await response.prepare(request)
         kept = bytearray(first[:USAGE_SCAN_BYTES])
         tail = b""
         try:
+            await response.prepare(request)
             if first:
                 await response.write(first)
             async for chunk in upstream.content.iter_any():
@@ -536,17 +536,22 @@ class AdmissionProxy:
                     tail = _count_events(tracked, tail + chunk)
                 elif len(kept) < USAGE_SCAN_BYTES:
                     kept += chunk[: USAGE_SCAN_BYTES - len(kept)]
-        except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError) as exc:
-            if streaming and tracked is not None and tracked.cancelled:
-                await _stream_error(response, _cancel_message(tracked), code=_cancel_code(tracked))
-            elif streaming:
-                await _stream_error(response, f"the engine stream broke: {type(exc).__name__}")
-            return response
         except ConnectionResetError:
-            return response  # our client went away; closing upstream aborts the request
+            # Our client went away (aiohttp's ClientConnectionResetError is one too, so
+            # this comes first): nobody to tell; closing upstream aborts the request.
+            return response
+        except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError) as exc:
+            with contextlib.suppress(ConnectionResetError):
+                if streaming and tracked is not None and tracked.cancelled:
+                    message, code = _cancel_message(tracked), _cancel_code(tracked)
+                    await _stream_error(response, message, code=code)
+                elif streaming:
+                    await _stream_error(response, f"the engine stream broke: {type(exc).__name__}")
+            return response
         if tracked is not None and not streaming:
             _count_usage(tracked, bytes(kept))
-        await response.write_eof()
+        with contextlib.suppress(ConnectionResetError):
+            await response.write_eof()
         return response
 
     # ------------------------------------------------------------------ actions
