@@ -265,6 +265,29 @@ async def start_long(http: aiohttp.ClientSession, url: str) -> asyncio.Future[An
     return running
 
 
+async def start_long_and_freeze(
+    http: aiohttp.ClientSession, url: str
+) -> tuple[asyncio.Future[Answer], EngineMetrics]:
+    """:data:`LONG` frozen mid-answer, holding blocks, and the metrics then.
+
+    On an idle machine LONG can finish between its first token and the freeze; then
+    it is tried again (at most three times), rather than reading a race as a result.
+    """
+    for _ in range(3):
+        running = await start_long(http, url)
+        await freeze(http, url)
+        for _ in range(30):  # the gauges follow the last step: give them a moment
+            frozen = await scrape(http, url)
+            if frozen["vllm:num_requests_running"] == 1 or running.done():
+                break
+            await asyncio.sleep(0.1)
+        if frozen["vllm:num_requests_running"] == 1:
+            break
+        await thaw(http, url)
+        await running
+    return running, frozen  # the caller asserts what it holds
+
+
 @real_engine
 async def test_admin_evict_is_retried_while_blocks_are_held(vllm_engine):  # noqa: F811
     """EngineAdmin's reset_prefix_cache: done at rest; refused while held, then retried.
@@ -289,9 +312,7 @@ async def test_admin_evict_is_retried_while_blocks_are_held(vllm_engine):  # noq
             assert at_rest.attempts == 1
             assert at_rest.detail == "prefix cache reset"
 
-            running = await start_long(http, url)
-            await freeze(http, url)
-            frozen = await scrape(http, url)
+            running, frozen = await start_long_and_freeze(http, url)
             assert frozen["vllm:num_requests_running"] == 1
             assert frozen["vllm:kv_cache_usage_perc"] > 0
             async with http.post(f"{url}/reset_prefix_cache") as refused:
