@@ -169,6 +169,15 @@ FROZEN = (
 )
 
 
+def busy(m: EngineMetrics) -> bool:
+    """Requests running (holding blocks) and waiting: the state the probe test freezes."""
+    return (
+        m["vllm:num_requests_running"] >= 2
+        and m["vllm:num_requests_waiting"] >= 1
+        and m["vllm:kv_cache_usage_perc"] > 0
+    )
+
+
 @real_engine
 async def test_probe_reads_what_the_engine_reports_idle_and_under_load(vllm_engine):  # noqa: F811
     """``kvguard probe --json`` equals the engine's own /metrics, idle and frozen mid-load.
@@ -193,17 +202,16 @@ async def test_probe_reads_what_the_engine_reports_idle_and_under_load(vllm_engi
 
         load = [asyncio.ensure_future(send(http, url, r)) for r in seeded_burst(seed=3, size=12)]
         try:
-            await until_metrics(
-                http,
-                url,
-                lambda m: (
-                    m["vllm:num_requests_running"] >= 2 and m["vllm:num_requests_waiting"] >= 1
-                ),
-                limit_s=60,
-                what="requests running and waiting",
-            )
-            await freeze(http, url)
-            before = await scrape(http, url)
+            # The gauges are published per step: a freeze can catch a snapshot taken
+            # before the running requests had blocks. Such a freeze is tried again
+            # (at most three times) rather than read as a result.
+            for _ in range(3):
+                await until_metrics(http, url, busy, limit_s=60, what="running and waiting")
+                await freeze(http, url)
+                before = await scrape(http, url)
+                if busy(before):
+                    break
+                await thaw(http, url)
             engine = await probe_json(url)
             after = await scrape(http, url)
         finally:
