@@ -6,9 +6,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import signal
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
@@ -69,12 +70,17 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     status = commands.add_parser(
         "status",
         help="show a running kvguard's /status (live with --watch)",
-        description="Read /status from a running kvguard and show it.",
+        description="Read /status from a running kvguard and show it; from several, one line"
+        " per engine, worst first (exit 1 when one cannot be read).",
     )
     status.add_argument(
         "--url",
-        default=DEFAULT_STATUS_URL,
-        help=f"kvguard's address (default {DEFAULT_STATUS_URL})",
+        dest="urls",
+        nargs="+",
+        action="extend",
+        metavar="URL",
+        help=f"kvguard's address (default {DEFAULT_STATUS_URL}); several (--url A B, or"
+        " --url repeated): one line per engine, worst first",
     )
     status.add_argument("--watch", action="store_true", help="refresh until interrupted")
     status.add_argument(
@@ -360,24 +366,31 @@ def _fmt(value: object) -> str:
 
 
 # ------------------------------------------------------------------ status
-def run_status(args: argparse.Namespace) -> int:
-    """Print /status once, or refresh it until interrupted."""
-    url = args.url.rstrip("/") + "/status"
+STATUS_TIMEOUT_S = 5.0
+LEVEL_RANKS = {"ok": 0, "elevated": 1, "high": 2, "critical": 3}
 
-    async def fetch(session: aiohttp.ClientSession) -> dict[str, Any]:
-        try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                resp.raise_for_status()
-                data: dict[str, Any] = await resp.json()
-                return data
-        except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
-            raise KvguardError(f"cannot read {url}: {exc or type(exc).__name__}") from exc
+
+def run_status(args: argparse.Namespace) -> int:
+    """Print /status once, or refresh it until interrupted; several URLs: the fleet view."""
+    urls: list[str] = list(dict.fromkeys(args.urls or [DEFAULT_STATUS_URL]))
+    fleet = len(urls) > 1
+    code = 0
 
     async def main() -> None:
+        nonlocal code
         async with aiohttp.ClientSession() as session:
             while True:
-                doc = await fetch(session)
-                text = json.dumps(doc, indent=2) if args.json else render_status(doc)
+                if fleet:
+                    rows = await fetch_fleet(session, urls)
+                    code = 1 if any(r.error for r in rows) else 0
+                    text = (
+                        json.dumps([r.as_dict() for r in rows], indent=2)
+                        if args.json
+                        else render_fleet(rows)
+                    )
+                else:
+                    doc = await fetch_status(session, urls[0])
+                    text = json.dumps(doc, indent=2) if args.json else render_status(doc)
                 if args.watch:
                     sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")  # home + clear: redraw in place
                     sys.stdout.flush()
@@ -388,7 +401,185 @@ def run_status(args: argparse.Namespace) -> int:
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())
-    return 0
+    return code
+
+
+async def fetch_status(session: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
+    """GET ``base_url``/status; any failure is one :class:`KvguardError` naming the URL."""
+    url = base_url.rstrip("/") + "/status"
+    try:
+        timeout = aiohttp.ClientTimeout(total=STATUS_TIMEOUT_S)
+        async with session.get(url, timeout=timeout) as resp:
+            resp.raise_for_status()
+            data: dict[str, Any] = await resp.json()
+            return data
+    except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
+        raise KvguardError(f"cannot read {url}: {exc or type(exc).__name__}") from exc
+
+
+@dataclass(frozen=True)
+class FleetRow:
+    """One kvguard (one engine) of ``kvguard status --url A B …``, as ranked and printed.
+
+    ``time_to_exhaustion_s`` is the sooner of the KV cache's and the GPU memory's
+    forecast (``inf``: neither rises; None: no forecast yet); ``headroom_ratio`` the
+    smaller of the KV cache's free share and the fullest GPU's free share.
+    """
+
+    url: str
+    error: str | None = None
+    level: str | None = None
+    engine_kind: str | None = None
+    engine_up: bool = False
+    time_to_exhaustion_s: float | None = None
+    exhausting: str | None = None  # which resource: kv_cache or gpu_memory
+    kv_usage_ratio: float | None = None
+    kv_free_tokens: int | None = None
+    gpu_free_bytes: int | None = None
+    gpu_free_ratio: float | None = None
+    gpu_fullest: int | None = None  # NVML index of the GPU with the least free memory
+
+    @property
+    def headroom_ratio(self) -> float | None:
+        """The tighter of KV cache and fullest GPU, as a free share (None: neither known)."""
+        kv_free = None if self.kv_usage_ratio is None else max(0.0, 1.0 - self.kv_usage_ratio)
+        known = [r for r in (kv_free, self.gpu_free_ratio) if r is not None]
+        return min(known) if known else None
+
+    def rank_key(self) -> tuple[int, int, float, float, str]:
+        """The sort key, worst first.
+
+        Unreachable kvguard, then engine down, then higher pressure level, sooner
+        exhaustion, less headroom; the URL breaks ties so the order is stable.
+        """
+        if self.error is not None:
+            group = 0  # blind: nothing is known about this engine
+        elif not self.engine_up:
+            group = 1
+        else:
+            group = 2
+        tte = self.time_to_exhaustion_s
+        headroom = self.headroom_ratio
+        return (
+            group,
+            -LEVEL_RANKS.get(self.level or "ok", 0),
+            math.inf if tte is None else tte,
+            math.inf if headroom is None else headroom,
+            self.url,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as JSON (``--json``); infinity (not rising) is null, as in /status."""
+        data = asdict(self)
+        tte = self.time_to_exhaustion_s
+        data["time_to_exhaustion_s"] = None if tte is None or math.isinf(tte) else tte
+        data["rising"] = tte is not None and not math.isinf(tte)
+        data["headroom_ratio"] = self.headroom_ratio
+        return data
+
+
+def fleet_row(url: str, doc: dict[str, Any]) -> FleetRow:
+    """Reduce one kvguard's /status document to its fleet line."""
+    engine = doc.get("engine") or {}
+    pressure = doc.get("pressure") or {}
+    forecast = pressure.get("forecast") or {}
+    tte: float | None = None
+    exhausting = None
+    if pressure:
+        # /status writes +Inf (not rising) as null; a forecast that exists and is null
+        # is therefore "not rising", not "unknown".
+        candidates = [
+            (forecast.get(f"{resource}_time_to_exhaustion_s"), resource)
+            for resource in ("kv", "gpu")
+        ]
+        rising = [(float(v), r) for v, r in candidates if v is not None]
+        if rising:
+            tte, short = min(rising)
+            exhausting = "kv_cache" if short == "kv" else "gpu_memory"
+        else:
+            tte = math.inf
+    usage = engine.get("kv_cache_usage_ratio")
+    capacity, used = engine.get("kv_capacity_tokens"), engine.get("kv_used_tokens")
+    gpus = [g for g in doc.get("gpus") or [] if g.get("total_bytes")]
+    fullest = min(gpus, key=lambda g: g["free_bytes"] / g["total_bytes"]) if gpus else None
+    return FleetRow(
+        url=url,
+        level=pressure.get("level"),
+        engine_kind=engine.get("kind"),
+        engine_up=bool(engine.get("up")),
+        time_to_exhaustion_s=tte,
+        exhausting=exhausting,
+        kv_usage_ratio=usage,
+        kv_free_tokens=capacity - used if capacity is not None and used is not None else None,
+        gpu_free_bytes=fullest["free_bytes"] if fullest else None,
+        gpu_free_ratio=fullest["free_bytes"] / fullest["total_bytes"] if fullest else None,
+        gpu_fullest=fullest["index"] if fullest else None,
+    )
+
+
+async def fetch_fleet(session: aiohttp.ClientSession, urls: list[str]) -> list[FleetRow]:
+    """Read every kvguard at once (each bounded by its timeout); rows worst first."""
+
+    async def one(url: str) -> FleetRow:
+        try:
+            return fleet_row(url, await fetch_status(session, url))
+        except KvguardError as exc:
+            return FleetRow(url=url, error=str(exc))
+
+    rows = await asyncio.gather(*(one(url) for url in urls))
+    return sorted(rows, key=FleetRow.rank_key)
+
+
+FLEET_HEADER = (
+    "KVGUARD",
+    "LEVEL",
+    "EXHAUSTS IN",
+    "KV USED",
+    "KV FREE",
+    "FULLEST GPU FREE",
+    "ENGINE",
+)
+
+
+def render_fleet(rows: list[FleetRow]) -> str:
+    """One line per engine under a header, in the order given (worst first)."""
+    table = [FLEET_HEADER]
+    for row in rows:
+        if row.error is not None:
+            table.append((row.url, "UNREACHABLE", row.error, "", "", "", ""))
+            continue
+        tte = row.time_to_exhaustion_s
+        if tte is None:
+            exhausts = "unknown"
+        elif math.isinf(tte):
+            exhausts = "not rising"
+        else:
+            # Rounded down: the operator should read the sooner figure.
+            exhausts = f"{math.floor(tte)} s ({row.exhausting})"
+        gpu = "no GPU data"
+        if row.gpu_free_bytes is not None and row.gpu_free_ratio is not None:
+            gpu = (
+                f"{format_bytes(row.gpu_free_bytes)} {row.gpu_free_ratio:.1%}"
+                f" (GPU {row.gpu_fullest})"
+            )
+        table.append(
+            (
+                row.url,
+                row.level or "starting",
+                exhausts,
+                "unknown" if row.kv_usage_ratio is None else f"{row.kv_usage_ratio:.1%}",
+                "unknown" if row.kv_free_tokens is None else f"{row.kv_free_tokens:,} tok",
+                gpu,
+                f"{row.engine_kind or 'unknown'} {'up' if row.engine_up else 'DOWN'}",
+            )
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(FLEET_HEADER) - 1)]
+    return "\n".join(
+        "  ".join(
+            [*(cell.ljust(w) for cell, w in zip(line, widths, strict=False)), line[-1]]
+        ).rstrip()
+        for line in table
+    )
 
 
 def render_status(doc: dict[str, Any]) -> str:
@@ -450,4 +641,13 @@ def run_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["register", "render_status", "serve", "status_document"]
+__all__ = [
+    "FleetRow",
+    "fetch_fleet",
+    "fleet_row",
+    "register",
+    "render_fleet",
+    "render_status",
+    "serve",
+    "status_document",
+]

@@ -1,16 +1,28 @@
-"""`kvguard budget` and the top-level command, as an operator runs them."""
+"""`kvguard budget`, `kvguard status` over several kvguards, and the top-level command."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from kvguard import __version__
 from kvguard.cli import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_OK, main
+from kvguard.config import parse_config
+from kvguard.daemon import Daemon, Probes
+from kvguard.daemon_cli import FleetRow, fetch_fleet, fleet_row, listen, render_fleet
+from kvguard.inprocess import free_port
+from kvguard.probes.engine import EngineProbe
+from kvguard.probes.nvml import NvmlProbe
+from kvguard.server import build_app
+from kvguard.testing import FakeGpu, FakeNvml
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 
@@ -218,3 +230,142 @@ def test_version_and_help_list_subcommands():
     helptext = subprocess.run([KVGUARD, "--help"], capture_output=True, text=True, check=True)
     assert "budget" in helptext.stdout
     assert "VRAM budget of serving a model" in helptext.stdout
+
+
+# ------------------------------------------------------------------ status: the fleet view
+GiB = 1024**3
+
+
+async def start_kvguard(engine_url: str, gpu_free: list[int]) -> tuple[Daemon, web.AppRunner, str]:
+    """A kvguard API on 127.0.0.1 over a real engine and fake GPUs with ``gpu_free`` bytes free."""
+    gpus = [
+        FakeGpu(f"Fake H100 {i}", f"GPU-{i:04d}", 80 * GiB, used_bytes=80 * GiB - free)
+        for i, free in enumerate(gpu_free)
+    ]
+    config = parse_config({"engine": {"url": engine_url, "kind": "vllm"}}, env={})
+    probes = Probes(
+        engine=EngineProbe(engine_url, kind="vllm", timeout_s=2.0),
+        nvml=NvmlProbe(nvml=FakeNvml(gpus)),
+        host=None,
+    )
+    daemon = Daemon(config, probes=probes)
+    for _ in range(2):
+        await daemon.tick()
+    api = f"127.0.0.1:{free_port()}"
+    return daemon, await listen(build_app(daemon), api), f"http://{api}"
+
+
+@pytest.fixture
+async def fleet(sim_engine):
+    """Two kvguards over two simulated engines (one with a nearly full GPU) and a dead URL."""
+    started = []
+    roomy = await start_kvguard(await sim_engine(), [40 * GiB, 40 * GiB])
+    tight = await start_kvguard(await sim_engine(), [40 * GiB, 40 * GiB, 2 * GiB, 40 * GiB])
+    started += [roomy, tight]
+    dead = f"http://127.0.0.1:{free_port()}"
+    yield roomy[2], tight[2], dead
+    for daemon, runner, _ in started:
+        await runner.cleanup()
+        await daemon.close()
+
+
+async def test_status_of_several_kvguards_ranks_them_worst_first(fleet):
+    """Unreachable first (nothing is known), then the engine whose fullest GPU has least free."""
+    roomy, tight, dead = fleet
+    async with aiohttp.ClientSession() as session:
+        rows = await asyncio.wait_for(fetch_fleet(session, [roomy, dead, tight]), 20)
+    assert [r.url for r in rows] == [dead, tight, roomy]
+    assert rows[0].error is not None
+    assert "cannot read" in rows[0].error
+    assert (rows[1].gpu_fullest, rows[1].gpu_free_bytes) == (2, 2 * GiB)
+    assert rows[1].gpu_free_ratio == pytest.approx(2 / 80)
+    assert (rows[2].gpu_free_ratio, rows[2].engine_kind, rows[2].engine_up) == (0.5, "vllm", True)
+    lines = render_fleet(rows).splitlines()
+    assert lines[0].split()[:2] == ["KVGUARD", "LEVEL"]
+    assert [line.split()[0] for line in lines[1:]] == [dead, tight, roomy]
+    assert "UNREACHABLE" in lines[1]
+    assert "2.0 GiB 2.5% (GPU 2)" in lines[2]
+    assert lines[3].endswith("vllm up")
+
+
+async def test_status_command_with_several_urls_prints_one_line_each_and_exit_1(fleet):
+    """`kvguard status --url A B --url C`: a line per engine, worst first; 1 when one is down."""
+    roomy, tight, dead = fleet
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "status", "--url", roomy, tight, "--url", dead, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 1
+    assert [line.split()[0] for line in out.decode().splitlines()] == [
+        "KVGUARD",
+        dead,
+        tight,
+        roomy,
+    ]
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "status", "--url", tight, roomy, "--json", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0
+    doc = json.loads(out)
+    assert [row["url"] for row in doc] == [tight, roomy]
+    assert doc[0]["gpu_fullest"] == 2
+    assert doc[0]["error"] is None
+
+
+def row(url: str, **fields: object) -> FleetRow:
+    """A reachable engine's fleet line, up, with the figures given."""
+    return FleetRow(url=url, engine_up=True, **fields)  # type: ignore[arg-type]
+
+
+def test_fleet_rank_orders_by_level_then_time_to_exhaustion_then_headroom():
+    """Level decides first, then the soonest exhaustion, then the tightest headroom."""
+    rows = [
+        row("calm", level="ok", time_to_exhaustion_s=math.inf, kv_usage_ratio=0.2),
+        row("full", level="ok", time_to_exhaustion_s=math.inf, kv_usage_ratio=0.7),
+        row("filling-slow", level="ok", time_to_exhaustion_s=250.0, kv_usage_ratio=0.3),
+        row("filling-fast", level="ok", time_to_exhaustion_s=40.0, kv_usage_ratio=0.3),
+        row("gpu-tight", level="ok", time_to_exhaustion_s=math.inf, gpu_free_ratio=0.01),
+        row("critical", level="critical", time_to_exhaustion_s=math.inf, kv_usage_ratio=0.98),
+        row("high", level="high", time_to_exhaustion_s=30.0),
+        row("down", level="ok"),
+        FleetRow(url="blind", error="cannot read http://x/status: refused"),
+        row("starting"),
+    ]
+    rows[7] = FleetRow(url="down", level="ok", engine_up=False)
+    ranked = [r.url for r in sorted(rows, key=FleetRow.rank_key)]
+    assert ranked == [
+        "blind",
+        "down",
+        "critical",
+        "high",
+        "filling-fast",
+        "filling-slow",
+        "gpu-tight",
+        "full",
+        "calm",
+        "starting",
+    ]
+
+
+def test_fleet_row_reads_the_sooner_resource_and_not_rising():
+    """The sooner of KV and GPU exhaustion counts; a forecast of nulls is "not rising"."""
+    doc = {
+        "engine": {"kind": "vllm", "up": True, "kv_cache_usage_ratio": 0.5},
+        "pressure": {
+            "level": "elevated",
+            "forecast": {"kv_time_to_exhaustion_s": 90.0, "gpu_time_to_exhaustion_s": 12.5},
+        },
+        "gpus": None,
+    }
+    line = fleet_row("http://a", doc)
+    assert (line.time_to_exhaustion_s, line.exhausting) == (12.5, "gpu_memory")
+    assert "12 s (gpu_memory)" in render_fleet([line]).splitlines()[1]
+    calm = fleet_row("http://b", doc | {"pressure": {"level": "ok", "forecast": {}}})
+    assert calm.time_to_exhaustion_s == math.inf
+    assert "not rising" in render_fleet([calm])
+    assert calm.as_dict()["time_to_exhaustion_s"] is None
+    assert calm.as_dict()["rising"] is False
+    fresh = fleet_row("http://c", {"engine": None, "pressure": None, "gpus": None})
+    assert fresh.time_to_exhaustion_s is None
+    assert "unknown" in render_fleet([fresh])

@@ -228,6 +228,38 @@ def test_every_alert_has_a_unit_test():
     assert {a.name for a in ALERTS} <= tested
 
 
+def test_every_recording_rule_has_a_unit_test():
+    """Each recorded series is evaluated by a promtool expression test (its value checked)."""
+    tested = {
+        name
+        for path in UNIT_TESTS
+        for name in re.findall(
+            r"^ *- expr: *([a-z_]+:[a-z0-9_]+:[a-z0-9_]+)", path.read_text(), re.M
+        )
+    }
+    assert {r.name for r in RECORDS} <= tested
+
+
+FLEET_RANKING = {
+    "instance:kvguard_time_to_exhaustion_seconds:min",
+    "instance:kvguard_time_to_exhaustion_seconds:bottom10",
+    "instance:kvguard_headroom_bytes:bottom10",
+    "instance:kvguard_gpu_memory_free:bottom10_ratio",
+    "job:kvguard_time_to_exhaustion_seconds:min",
+    "job:kvguard_headroom_bytes:min",
+    "job:kvguard_gpu_memory_free:min_ratio",
+}
+
+
+def test_fleet_ranking_rules_are_there_and_rank_within_a_job():
+    """Issue 12's fleet view: engines ranked by time to exhaustion and headroom, per job."""
+    records = {r.name: r.fields["expr"] for r in RECORDS}
+    assert set(records) >= FLEET_RANKING
+    for name in FLEET_RANKING:
+        if ":bottom10" in name:
+            assert records[name].startswith("bottomk by (job) (10, "), name
+
+
 def test_the_parser_reads_block_scalars_and_maps():
     """The small YAML reader keeps multi-line expressions and folds descriptions."""
     rules = parse_rules(

@@ -25,7 +25,7 @@ import importlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeAlias, TypeVar
 
 import structlog
@@ -84,6 +84,11 @@ class GpuSelector:
     def selects_all(self) -> bool:
         """True when no criterion is given: every GPU is read."""
         return not (self.indices or self.uuids or self.pids)
+
+    @property
+    def explicit(self) -> bool:
+        """True when indices or UUIDs name the GPUs: a followed PID does not change them."""
+        return bool(self.indices or self.uuids)
 
 
 class _UnavailableError(Exception):
@@ -192,6 +197,32 @@ async def _wait_done(future: concurrent.futures.Future[Any], timeout_s: float | 
     return True
 
 
+def _selected(selector: GpuSelector, gpu: GpuMemory, wanted_pids: frozenset[int]) -> bool:
+    """Whether ``gpu`` matches the selector (any criterion given)."""
+    if selector.selects_all or gpu.index in selector.indices or gpu.uuid in selector.uuids:
+        return True
+    return any(p.pid in wanted_pids for p in gpu.processes)
+
+
+def _check_selection(
+    selector: GpuSelector, gpus: list[GpuMemory], seen_uuids: list[str], wanted_pids: frozenset[int]
+) -> None:
+    """Fail the sample when a named UUID is absent or the selected PIDs run on no GPU."""
+    missing_uuids = [u for u in selector.uuids if u not in seen_uuids]
+    if missing_uuids:
+        raise ProbeError(
+            PROBE_NAME,
+            f"GPU uuid {missing_uuids[0]} not found: NVML sees {', '.join(seen_uuids)}",
+        )
+    if selector.pids and not gpus:
+        pids = ", ".join(str(p) for p in sorted(wanted_pids))
+        raise ProbeError(
+            PROBE_NAME,
+            f"no GPU runs pid {pids} (the engine or its children) yet;"
+            " in a container, NVML reports host PIDs",
+        )
+
+
 class NvmlProbe:
     """Reads GPU memory through NVML; a :class:`~kvguard.probes.base.Probe` named ``nvml``.
 
@@ -289,6 +320,20 @@ class NvmlProbe:
         self._mark_healthy()
         return gpus
 
+    def follow(self, pid: int | None) -> None:
+        """Watch the GPUs of ``pid`` and its descendants from the next sample on.
+
+        For supervisor mode, where the engine's PID changes at each restart. Ignored
+        when indices or UUIDs select the GPUs (they are the operator's explicit
+        choice) and for None. Only where NVML's PIDs are kvguard's: on the host, or
+        in a container sharing the host PID namespace; in a container of its own,
+        NVML already shows only that container's GPUs, so keep selecting all there.
+        """
+        if pid is None or self.selector.explicit or self.selector.pids == (pid,):
+            return
+        # One assignment of a frozen value: a sample in flight keeps the one it read.
+        self.selector = replace(self.selector, pids=(pid,))
+
     async def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no NVML call is running (at once when none is); False on timeout."""
         inflight = self._inflight
@@ -357,58 +402,37 @@ class NvmlProbe:
     # -- worker-thread side: every NVML call happens below ------------------------
 
     def _sample_sync(self) -> tuple[GpuMemory, ...]:
+        selector = self.selector  # once: follow() may replace it while this runs
         nvml = self._ensure_init()
         with self._translated(None, "device count"):
             count = int(nvml.nvmlDeviceGetCount())
-        missing_indices = [i for i in self.selector.indices if i >= count]
+        missing_indices = [i for i in selector.indices if i >= count]
         if missing_indices:
             raise ProbeError(
                 PROBE_NAME,
                 f"GPU index {missing_indices[0]} not found: NVML sees {count} GPU(s)"
                 f" (indices 0..{count - 1})",
             )
-        wanted_pids = self._wanted_pids()
-        index_only = bool(self.selector.indices) and not (self.selector.uuids or self.selector.pids)
+        wanted_pids = self._wanted_pids(selector)
+        index_only = bool(selector.indices) and not (selector.uuids or selector.pids)
         gpus: list[GpuMemory] = []
         seen_uuids: list[str] = []
         for index in range(count):
             # Index-only selection can skip the others without touching them.
-            if index_only and index not in self.selector.indices:
+            if index_only and index not in selector.indices:
                 continue
             gpu = self._read_gpu(nvml, index)
             seen_uuids.append(gpu.uuid)
-            if self._selected(gpu, wanted_pids):
+            if _selected(selector, gpu, wanted_pids):
                 gpus.append(gpu)
-        self._check_selection(gpus, seen_uuids, wanted_pids)
+        _check_selection(selector, gpus, seen_uuids, wanted_pids)
         return tuple(gpus)
 
-    def _check_selection(
-        self, gpus: list[GpuMemory], seen_uuids: list[str], wanted_pids: frozenset[int]
-    ) -> None:
-        missing_uuids = [u for u in self.selector.uuids if u not in seen_uuids]
-        if missing_uuids:
-            raise ProbeError(
-                PROBE_NAME,
-                f"GPU uuid {missing_uuids[0]} not found: NVML sees {', '.join(seen_uuids)}",
-            )
-        if self.selector.pids and not gpus:
-            pids = ", ".join(str(p) for p in sorted(wanted_pids))
-            raise ProbeError(
-                PROBE_NAME,
-                f"no GPU runs pid {pids} (the engine or its children) yet;"
-                " in a container, NVML reports host PIDs",
-            )
-
-    def _selected(self, gpu: GpuMemory, wanted_pids: frozenset[int]) -> bool:
-        selector = self.selector
-        if selector.selects_all or gpu.index in selector.indices or gpu.uuid in selector.uuids:
-            return True
-        return any(p.pid in wanted_pids for p in gpu.processes)
-
-    def _wanted_pids(self) -> frozenset[int]:
+    @staticmethod
+    def _wanted_pids(selector: GpuSelector) -> frozenset[int]:
         """The selector's PIDs and their descendants, read afresh each sample."""
         wanted: set[int] = set()
-        for pid in self.selector.pids:
+        for pid in selector.pids:
             wanted.update(process_tree(pid) or (pid,))
         return frozenset(wanted)
 
