@@ -3,8 +3,9 @@
 Every problem in a file is collected before anything is reported, so
 ``kvguard check-config`` shows them all at once (field, value, what is allowed).
 Unknown keys are errors: a typo must never silently fall back to a default.
-Secrets (the engine's admin token) come from a file or the environment and are
-held in a :class:`Secret`, whose ``repr`` never shows the value.
+Secrets (the engine's admin token, the control token, the webhook secret) come from
+a file or the environment and are held in a :class:`Secret`, whose ``repr`` never
+shows the value.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvguard.config_fields import (
     listen,
     number,
     path_in_url,
+    path_prefix,
     size,
     text,
     url,
@@ -45,6 +47,41 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 CONFIG_ENV = "KVGUARD_CONFIG"
 TOKEN_ENV = "KVGUARD_ENGINE_TOKEN"  # noqa: S105 - the variable's name, not a secret
+CONTROL_TOKEN_ENV = "KVGUARD_CONTROL_TOKEN"  # noqa: S105 - the variable's name, not a secret
+# A bearer token anyone can guess is no lock: at least this many characters.
+CONTROL_TOKEN_MIN_CHARS = 16
+# The engines' own admin and debug endpoints (DESIGN.md section 7, ENGINES.md): they
+# pause, flush, abort, sleep or describe the engine. kvguard calls them itself, on the
+# engine's own address; through the proxy's public port they would let any client do so.
+ENGINE_ADMIN_PATHS: tuple[str, ...] = (
+    # vLLM (VLLM_SERVER_DEV_MODE=1)
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/abort_requests",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/release_kv_cache_memory",
+    "/collective_rpc",
+    "/start_profile",
+    "/stop_profile",
+    "/server_info",
+    # SGLang
+    "/flush_cache",
+    "/pause_generation",
+    "/continue_generation",
+    "/abort_request",
+    "/get_server_info",
+    "/update_weights_from_disk",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/configure_logging",
+    # llama.cpp (slot save/restore/erase; GET /slots shows what each slot holds)
+    "/slots",
+)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 
@@ -127,6 +164,9 @@ class ServerConfig:
     """``[server]``: kvguard's own HTTP API."""
 
     listen: str = "127.0.0.1:9108"
+    # /control/* is off (404) unless a token is configured (file, else environment).
+    control_token_file: str | None = None
+    control_token: Secret | None = field(default=None, compare=False)
 
     @property
     def host(self) -> str:
@@ -156,7 +196,8 @@ class ProxyConfig:
     upstream: str | None = None  # default: [engine] url
     priority_header: str = "X-Priority"
     default_priority: str = "standard"
-    api_key_priorities: Mapping[str, str] = field(default_factory=dict, compare=False)
+    # The keys are secrets: never in a repr (a logged config, a traceback's locals).
+    api_key_priorities: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
@@ -167,6 +208,8 @@ class ProxyConfig:
     admission_wait_s: float = 5.0
     shed_ratio: float = 0.8  # while shedding, a shed class still fills the pool up to this
     shed_wait_s: float = 2.0  # ... held this long at most for room, then 503
+    allowed_paths: tuple[str, ...] = ("/",)  # path prefixes forwarded (default: all)
+    blocked_paths: tuple[str, ...] = ENGINE_ADMIN_PATHS  # ... except these: 403
 
 
 @dataclass(frozen=True)
@@ -189,7 +232,7 @@ class ReconfigureConfig:
 class WebhookConfig:
     """``[webhook]``: where events are POSTed, and how."""
 
-    urls: tuple[str, ...] = ()
+    urls: tuple[str, ...] = field(default=(), repr=False)  # a query may hold a token
     secret_file: str | None = None
     secret: Secret | None = field(default=None, compare=False)
     timeout_s: float = 5.0
@@ -239,7 +282,11 @@ class Config:
                 "memory_bytes": self.gpu.memory_bytes,
             },
             "poll": dict(vars(self.poll)),
-            "server": {"listen": self.server.listen},
+            "server": {
+                "listen": self.server.listen,
+                "control_token_file": self.server.control_token_file,
+                "control_token": "***" if self.server.control_token is not None else None,
+            },
             "log": dict(vars(self.log)),
             "policy": _plain(self.policy),
             "forecast": _plain(self.forecast),
@@ -330,7 +377,7 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "min_interval_s": number(0.0, 60.0),
         "timeout_s": number(0.0, 60.0),
     },
-    "server": {"listen": listen},
+    "server": {"listen": listen, "control_token_file": text},
     "log": {"level": choice(LOG_LEVELS), "format": choice(LOG_FORMATS)},
     "policy": {
         "tte_min_usage": number(0.0, 1.0, low_open=False),
@@ -383,6 +430,8 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "admission_wait_s": number(0.0, 600.0, low_open=False),
         "shed_ratio": number(0.0, 1.0, low_open=False),
         "shed_wait_s": number(0.0, 600.0, low_open=False),
+        "allowed_paths": list_of(path_prefix),
+        "blocked_paths": list_of(path_prefix),
     },
     "reconfigure": {
         "mode": choice(("auto", "off", "supervisor", "systemd", "command")),
@@ -438,14 +487,13 @@ def parse_config(
     if "url" not in sections["engine"] and not any(p[0] == "engine.url" for p in problems):
         problems.append(("engine.url", None, "is required: the engine's base URL"))
     problems += _cross_checks(sections)
-    token = secret = None
+    token = secret = control = None
     if not problems:
-        token, token_problem = _read_token(sections["engine"], env, Path(source).parent)
-        if token_problem:
-            problems.append(token_problem)
-        secret, secret_problem = _read_secret(sections["webhook"], Path(source).parent)
-        if secret_problem:
-            problems.append(secret_problem)
+        base = Path(source).parent
+        token, token_problem = _read_token(sections["engine"], env, base)
+        secret, secret_problem = _read_secret(sections["webhook"], base)
+        control, control_problem = _read_control_token(sections["server"], env, base)
+        problems += [p for p in (token_problem, secret_problem, control_problem) if p]
     if problems:
         raise ConfigError(source, problems)
     return Config(
@@ -453,7 +501,7 @@ def parse_config(
         model=ModelConfig(**sections["model"]),  # type: ignore[arg-type]
         gpu=GpuConfig(**sections["gpu"]),  # type: ignore[arg-type]
         poll=PollConfig(**sections["poll"]),  # type: ignore[arg-type]
-        server=ServerConfig(**sections["server"]),  # type: ignore[arg-type]
+        server=ServerConfig(**sections["server"], control_token=control),  # type: ignore[arg-type]
         log=LogConfig(**sections["log"]),  # type: ignore[arg-type]
         policy=_policy(sections),
         forecast=_forecast(sections),
@@ -522,6 +570,10 @@ def _cross_checks(sections: dict[str, dict[str, object]]) -> list[tuple[str, obj
         problems.append(("reconfigure.systemd_unit", None, 'is required with mode = "systemd"'))
     if mode == "command" and not reconfigure.get("command"):
         problems.append(("reconfigure.command", None, 'is required with mode = "command"'))
+    if sections["proxy"].get("allowed_paths") == ():
+        problems.append(
+            ("proxy.allowed_paths", [], 'must name at least one path prefix ("/" for all)')
+        )
     interval = poll.get("interval_s", PollConfig.interval_s)
     minimum = poll.get("min_interval_s", PollConfig.min_interval_s)
     if isinstance(interval, float) and isinstance(minimum, float) and minimum > interval:
@@ -573,6 +625,35 @@ def _read_secret(webhook: dict[str, object], base: Path) -> tuple[Secret | None,
     if not isinstance(secret_file, str):
         return None, None
     return _secret_file("webhook.secret_file", secret_file, base, one_line=False)
+
+
+def _read_control_token(
+    server: dict[str, object], env: Mapping[str, str], base: Path
+) -> tuple[Secret | None, Problem | None]:
+    """The /control/* bearer token from ``control_token_file``, else the environment."""
+    token_file = server.get("control_token_file")
+    if isinstance(token_file, str):
+        field_name = "server.control_token_file"
+        token, problem = _secret_file(field_name, token_file, base, one_line=True)
+        shown: object = token_file
+    else:
+        field_name, shown = CONTROL_TOKEN_ENV, None
+        value = env.get(CONTROL_TOKEN_ENV, "").strip()
+        token, problem = (Secret(value), None) if value else (None, None)
+    if token is None or problem is not None:
+        return token, problem
+    # A bearer token is token68 (RFC 6750): visible ASCII, nothing to escape or fold.
+    value = token.reveal()
+    if not all(33 <= ord(ch) <= 126 for ch in value):
+        return None, (field_name, shown, "must be one line of visible ASCII, no spaces")
+    if len(value) < CONTROL_TOKEN_MIN_CHARS:
+        return None, (
+            field_name,
+            shown,
+            f"must hold at least {CONTROL_TOKEN_MIN_CHARS} characters"
+            " (e.g. from `openssl rand -hex 32`)",
+        )
+    return token, None
 
 
 def _printable(text: str) -> bool:

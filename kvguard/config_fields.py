@@ -7,6 +7,7 @@ the value and what is allowed (so every problem can be collected and shown at on
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable, Mapping
 from urllib.parse import SplitResult, urlsplit
 
@@ -135,6 +136,20 @@ def path_in_url(name: str, value: object) -> object:
     return value
 
 
+def path_prefix(name: str, value: object) -> object:
+    """A URL path prefix for the proxy's path rules: "/", "/v1", "/slots"."""
+    allowed = 'must be a path like "/v1" (starts with "/", no query, no "." or ".." segments)'
+    if (
+        not isinstance(value, str)
+        or not value.startswith("/")
+        or any(ch in value for ch in "?#%\\")
+        or not all(32 < ord(ch) < 127 for ch in value)
+        or any(part in (".", "..") for part in value.split("/"))
+    ):
+        raise InvalidInputError(name, value, allowed)
+    return value.rstrip("/") or "/"
+
+
 def listen(name: str, value: object) -> object:
     """A "HOST:PORT" listen address."""
     allowed = 'must be "HOST:PORT", e.g. "127.0.0.1:9108"'
@@ -168,3 +183,14 @@ def argv(name: str, value: object) -> object:
             name, value, "must be a non-empty list of strings, one per argument (no shell)"
         )
     return tuple(value)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name from a listen setting) is this machine only."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name that may resolve anywhere: treat it as reachable

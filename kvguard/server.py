@@ -1,37 +1,73 @@
-"""kvguard's own HTTP API: /metrics, /healthz, /readyz, /status.
+"""kvguard's own HTTP API: /metrics, /healthz, /readyz, /status, /admission, /control/*.
 
-Listens on 127.0.0.1:9108 by default. Everything here reads the daemon's latest
-state; nothing blocks on a probe. Control endpoints (later releases) require a
-bearer token.
+Listens on 127.0.0.1:9108 by default; another address is the operator's explicit
+choice and is logged as a warning (``listen_not_loopback``). Everything here reads
+the daemon's latest state; nothing blocks on a probe. ``/control/*`` (dry-run,
+live, release) needs the bearer token of ``[server] control_token_file`` or
+``KVGUARD_CONTROL_TOKEN``, compared in constant time; without one it is off (404).
 """
 
 from __future__ import annotations
 
+import hmac
 import math
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvguard.actuators.mitigations import request_priority
 from kvguard.brain import action_dict
 from kvguard.budget_report import budget_to_dict
+from kvguard.config_fields import is_loopback
 from kvguard.daemon import Daemon
-from kvguard.model.policy import LEVELS
+from kvguard.model.policy import ACTION_KINDS, LEVELS
 from kvguard.telemetry import daemon_registry
 
+log = structlog.get_logger("kvguard.server")
 DAEMON_KEY = web.AppKey("daemon", Daemon)
 # /healthz fails when no tick completed for this many poll intervals (plus a timeout).
 STALE_TICKS = 3
+CONTROL_ACTIONS = ("dry-run", "live", "release")
+CONTROL_KEPT = 20  # control actions listed in /status
+# The mitigations /control/release lifts from the ladder's memory too, so /status
+# does not show them as active and the ladder re-applies them if pressure persists.
+RELEASED_KINDS = frozenset({"shed", "tighten_window"})
+
+
+@dataclass(frozen=True)
+class ControlRecord:
+    """One control action, for /status: what, how it went, when, from where."""
+
+    at: float  # wall-clock seconds
+    action: str
+    result: str  # changed | unchanged
+    dry_run: bool
+    released: tuple[str, ...]
+    remote: str | None
+
+
+class ControlLog:
+    """The recent control actions, newest last (bounded)."""
+
+    def __init__(self) -> None:
+        self.records: deque[ControlRecord] = deque(maxlen=CONTROL_KEPT)
+
+
+CONTROL_LOG_KEY = web.AppKey("control_log", ControlLog)
 
 
 def build_app(daemon: Daemon) -> web.Application:
     """The aiohttp application of kvguard's API over ``daemon``."""
     app = web.Application()
     app[DAEMON_KEY] = daemon
+    app[CONTROL_LOG_KEY] = ControlLog()
     registry = daemon_registry(daemon)
+    warn_if_not_loopback("api", daemon.config.server.listen)
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(
@@ -46,7 +82,22 @@ def build_app(daemon: Daemon) -> web.Application:
     for path in ("/admission", "/admission/{tail:.*}"):
         app.router.add_route("GET", path, admission)
         app.router.add_route("POST", path, admission)
+    for path in ("/control", "/control/{action:.*}"):
+        app.router.add_route("*", path, control)
     return app
+
+
+def warn_if_not_loopback(server: str, listen: str) -> None:
+    """Log ``listen_not_loopback`` when ``listen`` is reachable from other machines."""
+    host = listen.rpartition(":")[0]
+    if not is_loopback(host):
+        log.warning(
+            "listen_not_loopback",
+            server=server,
+            listen=listen,
+            hint="reachable from other machines: restrict it with a firewall or network"
+            " policy (docs/security.md)",
+        )
 
 
 def tick_age_s(daemon: Daemon) -> float | None:
@@ -160,13 +211,7 @@ def status_document(daemon: Daemon) -> dict[str, Any]:
         "budget": budget,
         "budget_error": state.budget_error,
         "pressure": _pressure(daemon),
-        "mitigations": {
-            "enforcing": daemon.mitigations.enforcing,
-            "shed_floor": daemon.mitigations.shed_floor,
-            "max_prompt_tokens": daemon.mitigations.max_prompt_tokens,
-            "max_tokens": daemon.mitigations.max_tokens,
-            "retry_after_s": daemon.mitigations.retry_after_s,
-        },
+        "mitigations": _mitigations(daemon),
         "proxy": _proxy(daemon),
         "actions": _actions(daemon),
         "reconciliation": None
@@ -292,5 +337,130 @@ def _engine(daemon: Daemon) -> dict[str, Any] | None:
 
 
 async def status(request: web.Request) -> web.Response:
-    """GET /status."""
-    return web.json_response(status_document(request.app[DAEMON_KEY]))
+    """GET /status (with the recent control actions)."""
+    daemon = request.app[DAEMON_KEY]
+    doc = status_document(daemon)
+    recent = list(request.app[CONTROL_LOG_KEY].records)
+    doc["control"] = {
+        "enabled": daemon.config.server.control_token is not None,
+        "actions": [asdict(r) for r in recent[::-1]],  # newest first
+    }
+    return web.json_response(doc)
+
+
+# ---------------------------------------------------------------------- /control/*
+def _control_error(
+    status: int, message: str, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+async def control(request: web.Request) -> web.Response:
+    """``POST /control/{dry-run,live,release}``: an operator's override, bearer token required.
+
+    Order matters: without a token configured everything here is 404; then the token
+    is checked before anything else is said (which actions exist, which methods), so
+    a caller without it learns nothing.
+    """
+    daemon = request.app[DAEMON_KEY]
+    token = daemon.config.server.control_token
+    if token is None:
+        return _control_error(
+            404,
+            "control endpoints are off: set [server] control_token_file or"
+            " KVGUARD_CONTROL_TOKEN to enable them",
+        )
+    denied = _check_token(request, token.reveal())
+    if denied is not None:
+        return denied
+    action = request.match_info.get("action", "")
+    if action not in CONTROL_ACTIONS:
+        return _control_error(
+            404, f"unknown control action {action!r}: known are {', '.join(CONTROL_ACTIONS)}"
+        )
+    if request.method != "POST":
+        return _control_error(
+            405, f"/control/{action} takes POST, not {request.method}", {"Allow": "POST"}
+        )
+    return _act(request, daemon, action)
+
+
+def _check_token(request: web.Request, expected: str) -> web.Response | None:
+    """None when the request carries the bearer token; else the 401 or 403 to answer."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    given = given.strip()
+    if scheme.lower() != "bearer" or not given:
+        _denied(request, "no bearer token")
+        return _control_error(
+            401,
+            "a bearer token is required: Authorization: Bearer <token>",
+            {"WWW-Authenticate": 'Bearer realm="kvguard"'},
+        )
+    # Bytes, so any header text compares (a str with non-ASCII raises TypeError), and
+    # compare_digest so the time taken says nothing about how much of it matched.
+    if not hmac.compare_digest(
+        given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass")
+    ):
+        _denied(request, "wrong token")
+        return _control_error(403, "the bearer token is not the control token")
+    return None
+
+
+def _denied(request: web.Request, reason: str) -> None:
+    # Never the token given: a near miss is most of a secret.
+    log.warning("control_denied", reason=reason, path=request.path, remote=request.remote)
+
+
+def _act(request: web.Request, daemon: Daemon, action: str) -> web.Response:
+    reason = f"operator: /control/{action}"
+    released: list[str] = []
+    if action == "release":
+        released = daemon.mitigations.release_all(reason)
+        guard = daemon.brain.guard
+        daemon.brain.guard = replace(
+            guard, active={k: v for k, v in guard.active.items() if k not in RELEASED_KINDS}
+        )
+        changed = bool(released)
+    else:
+        dry_run = action == "dry-run"
+        changed = daemon.dry_run != dry_run
+        daemon.mitigations.set_enforcing(not dry_run, reason)
+        daemon.dry_run = daemon.brain.dry_run = dry_run
+        # Every (action, mode) series from 0 for the new mode: one that appears at its
+        # first increment is one increase() cannot see.
+        modes = ("dry_run",) if dry_run else ("applied", "started", "not_applied")
+        for kind in ACTION_KINDS:
+            for mode in modes:
+                daemon.brain.counts[(kind, mode)] += 0
+    if daemon.proxy is not None:
+        daemon.proxy.wake()  # requests held for room re-check against what is in force
+    record = ControlRecord(
+        at=daemon.wall_clock(),
+        action=action,
+        result="changed" if changed else "unchanged",
+        dry_run=daemon.dry_run,
+        released=tuple(released),
+        remote=request.remote,
+    )
+    request.app[CONTROL_LOG_KEY].records.append(record)
+    fields = {
+        "action": action,
+        "result": record.result,
+        "dry_run": daemon.dry_run,
+        "released": list(released),
+        "remote": request.remote,
+    }
+    log.warning("control_action", **fields)
+    daemon.notify("control_action", fields)
+    return web.json_response({**fields, "mitigations": _mitigations(daemon)})
+
+
+def _mitigations(daemon: Daemon) -> dict[str, Any]:
+    m = daemon.mitigations
+    return {
+        "enforcing": m.enforcing,
+        "shed_floor": m.shed_floor,
+        "max_prompt_tokens": m.max_prompt_tokens,
+        "max_tokens": m.max_tokens,
+        "retry_after_s": m.retry_after_s,
+    }

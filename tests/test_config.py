@@ -210,3 +210,47 @@ def test_reconfigure_and_webhook_sections(tmp_path):
     fields = {line.split(":")[0] for line in caught.value.lines()}
     assert {"reconfigure.systemd_unit", "reconfigure.command"} <= fields
     assert "webhook.secret_file" not in fields  # secrets are read once the rest is valid
+
+
+def test_proxy_path_rules_and_their_errors():
+    """allowed_paths / blocked_paths take "/"-prefixes; bad ones name the field and item."""
+    config = parse_config(
+        {
+            "engine": {"url": "http://127.0.0.1:8000"},
+            "proxy": {"allowed_paths": ["/v1/", "/health"], "blocked_paths": []},
+        },
+        env={},
+    )
+    assert config.proxy.allowed_paths == ("/v1", "/health")
+    assert config.proxy.blocked_paths == ()
+    assert (
+        "/reset_prefix_cache"
+        in parse_config({"engine": {"url": "http://127.0.0.1:8000"}}, env={}).proxy.blocked_paths
+    )
+    with pytest.raises(ConfigError) as err:
+        parse_config(
+            {
+                "engine": {"url": "http://127.0.0.1:8000"},
+                "proxy": {"allowed_paths": ["v1", "/a/../b", "/x?y"], "blocked_paths": "/pause"},
+            },
+            env={},
+        )
+    fields = [problem[0] for problem in err.value.problems]
+    assert fields == ["proxy.allowed_paths[0]", "proxy.blocked_paths"]
+    with pytest.raises(ConfigError, match="at least one path prefix"):
+        parse_config(
+            {"engine": {"url": "http://127.0.0.1:8000"}, "proxy": {"allowed_paths": []}}, env={}
+        )
+
+
+def test_control_token_file_must_be_readable(tmp_path):
+    """A missing control token file is a config error naming the key, not a silent 404."""
+    with pytest.raises(ConfigError, match=r"server\.control_token_file"):
+        parse_config(
+            {
+                "engine": {"url": "http://127.0.0.1:8000"},
+                "server": {"control_token_file": "missing.token"},
+            },
+            source=str(tmp_path / "kvguard.toml"),
+            env={},
+        )

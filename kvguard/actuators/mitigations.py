@@ -98,6 +98,43 @@ class Mitigations:
         if self.enforcing and self.launch is not None:
             self.launch(action)
 
+    def set_enforcing(self, enforcing: bool, reason: str) -> bool:
+        """Enforce the plan in force (live) or only show it (dry-run); True when it changed.
+
+        Stopping resumes an engine kvguard paused: dry-run changes nothing, so nothing
+        it did may stay in force. Starting again enforces the plan the ladder keeps
+        recording in dry-run, the engine-side shed included.
+        """
+        if enforcing == self.enforcing:
+            return False
+        if not enforcing and self.launch is not None:
+            self.launch(Action("release", reason, target="shed"))
+        self.enforcing = enforcing
+        floor = self.shed_floor
+        if enforcing and floor in ("sheddable", "standard"):
+            self._launch_quietly(Action("shed", reason, priority=floor))
+        return True
+
+    def release_all(self, reason: str) -> list[str]:
+        """Lift every mitigation in force now; returns what was lifted.
+
+        The shed floor and the window caps go at once (``shed``, ``tighten_window``);
+        an engine kvguard paused is resumed in the background (``engine_pause``:
+        the resume started). Resuming is always safe, so it is asked for even in
+        dry-run. The fp8 switch is a restart, not a mitigation in force: it is not
+        reverted here, and a running drain is not interrupted.
+        """
+        released: list[str] = []
+        if self.shed_floor is not None:
+            self.shed_floor = None
+            released.append("shed")
+        if self.max_prompt_tokens is not None or self.max_tokens is not None:
+            self.max_prompt_tokens = self.max_tokens = None
+            released.append("tighten_window")
+        if self.launch is not None and self.launch(Action("release", reason, target="shed")):
+            released.append("engine_pause")
+        return released
+
     def sheds(self, priority: str) -> bool:
         """Whether a request of ``priority`` is shed now (only while enforcing)."""
         floor = self.shed_floor

@@ -9,6 +9,14 @@ shed by priority (503 + ``Retry-After``), capped (``max_tokens`` clamped, or 400
 even the minimum does not fit), or cancelled when the largest. Health, metrics and
 model-list paths pass untouched. The proxy never talks to any host but its upstream:
 the target is always ``upstream + path``, and redirects are not followed.
+
+It is no open proxy and forwards nothing malformed: absolute-URI, authority
+(CONNECT) and asterisk request targets, unusual methods, dot segments and encoded
+slashes in paths, control characters in header values, paths outside
+``allowed_paths`` or inside ``blocked_paths`` (the engines' admin endpoints by
+default), and generation bodies that are not a JSON object or carry a
+``max_tokens`` that is not a positive integer are all answered 4xx, and none of
+them reaches the engine.
 """
 
 from __future__ import annotations
@@ -18,14 +26,14 @@ import contextlib
 import json
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from kvguard.actuators.accounting import (
     Inflight,
@@ -35,9 +43,15 @@ from kvguard.actuators.accounting import (
     estimate_tokens,
 )
 from kvguard.actuators.mitigations import Mitigations, request_priority
+from kvguard.config import ENGINE_ADMIN_PATHS
+from kvguard.config_fields import is_loopback
 
 log = structlog.get_logger("kvguard.proxy")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# What an inference API is called with; TRACE, CONNECT and inventions are refused.
+ALLOWED_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+# No engine takes more tokens than this (int32); a bigger max_tokens is malformed.
+MAX_TOKENS_LIMIT = 2**31 - 1
 # RFC 9110 section 7.6.1: these describe one connection and must not be forwarded.
 HOP_BY_HOP = frozenset(
     {
@@ -78,7 +92,7 @@ class ProxySettings:
     listen: str = "127.0.0.1:9000"
     priority_header: str = "X-Priority"
     default_priority: str = "standard"
-    api_key_priorities: Mapping[str, str] | None = None
+    api_key_priorities: Mapping[str, str] | None = field(default=None, repr=False)  # secrets
     max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
@@ -91,6 +105,9 @@ class ProxySettings:
     # excess is shed. shed_ratio 0 (or an unknown pool) sheds the whole class at once.
     shed_ratio: float = 0.8
     shed_wait_s: float = 2.0
+    # Path prefixes (whole segments, case-insensitive) forwarded, and refused among them.
+    allowed_paths: tuple[str, ...] = ("/",)
+    blocked_paths: tuple[str, ...] = ENGINE_ADMIN_PATHS
 
 
 class ProxyCounters:
@@ -99,7 +116,7 @@ class ProxyCounters:
     def __init__(self) -> None:
         self.shed: Counter[tuple[str, str]] = Counter()  # (priority, reason)
         self.clamped = 0
-        self.rejected: Counter[str] = Counter()  # reason
+        self.rejected: Counter[str] = Counter()  # reason (window caps, malformed requests)
         # reason: largest, drain (both present from the start: 0 is not absent)
         self.cancelled: Counter[str] = Counter({"largest": 0, "drain": 0})
         self.upstream_errors: Counter[str] = Counter()  # 502/504/413
@@ -133,11 +150,46 @@ class AdmissionProxy:
         mitigations.cancel_largest = self.cancel_largest
 
     def app(self) -> web.Application:
-        """The application: every path, every method, forwarded."""
-        app = web.Application(client_max_size=self.settings.max_body_bytes)
+        """The application: every allowed path and method, screened, then forwarded."""
+        listen = self.settings.listen
+        if not is_loopback(listen.rpartition(":")[0]):
+            log.warning(
+                "listen_not_loopback",
+                server="proxy",
+                listen=listen,
+                hint="reachable from other machines: restrict it with a firewall or network"
+                " policy (docs/security.md)",
+            )
+        # The screen is a middleware so it also sees what no route matches (CONNECT's
+        # authority target, OPTIONS *) and answers it clearly.
+        app = web.Application(
+            client_max_size=self.settings.max_body_bytes, middlewares=[self._screen]
+        )
         app.router.add_route("*", "/{tail:.*}", self.handle)
         app.on_cleanup.append(self._close)
         return app
+
+    def wake(self) -> None:
+        """Make requests waiting for room re-check now (the mitigations in force changed)."""
+        self._room_freed.set()
+        self._room_freed = asyncio.Event()
+
+    @web.middleware
+    async def _screen(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """Refuse what must not reach the engine, before its body is read."""
+        refusal = screen_request(request, self.settings)
+        if refusal is None:
+            return await handler(request)
+        status, reason, message = refusal
+        self.counters.rejected[reason] += 1
+        # Debug: a flood of junk must not flood the log; the counter tells the story.
+        log.debug("request_refused", reason=reason, method=request.method, status=status)
+        headers = {"Allow": ", ".join(sorted(ALLOWED_METHODS))} if status == 405 else None
+        return _error(status, message, "invalid_request_error", code=reason, headers=headers)
 
     async def _close(self, _: web.Application) -> None:
         if self._session is not None:
@@ -188,14 +240,14 @@ class AdmissionProxy:
         # pool to measure against, or already HELD_POOLS pools' worth of requests held.
         if shed_class and not self._may_hold():
             return self._shed(priority, request_id)
-        try:
-            payload = json.loads(body) if body else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            payload = None  # the engine answers malformed bodies itself
-        if not isinstance(payload, dict):
-            # Nothing to project: a shed class cannot be shown to fit.
-            return self._shed(priority, request_id) if shed_class else (body, None)
+        payload = _json_or_error(body) if body else None
         chat = request.path == "/v1/chat/completions"
+        malformed = _malformed_generation(payload, body, chat=chat)
+        if malformed is not None:
+            self.counters.rejected["invalid_body"] += 1
+            return _error(400, malformed, "invalid_request_error", code="invalid_body")
+        if not isinstance(payload, dict):
+            return body, None  # an empty body: nothing to project or change
         prompt = await self.prompt_tokens(payload, chat=chat)
         key = (
             "max_completion_tokens" if chat and "max_completion_tokens" in payload else "max_tokens"
@@ -328,7 +380,11 @@ class AdmissionProxy:
         try:
             return (
                 await self._wait_until(
-                    lambda: self._room_under(self.settings.shed_ratio, own),
+                    # A release (the ladder's or an operator's) lets it in at once.
+                    lambda: (
+                        not self.mitigations.sheds(tracked.priority)
+                        or self._room_under(self.settings.shed_ratio, own)
+                    ),
                     self.settings.shed_wait_s,
                 )
                 and not self._draining()
@@ -519,9 +575,7 @@ class AdmissionProxy:
                 self.counters.upstream_errors["502"] += 1
                 return _error(502, "the engine closed the connection", "upstream_error")
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        for name, value in upstream.headers.items():
-            if name.lower() not in HOP_BY_HOP:
-                response.headers.add(name, value)
+        response.headers.extend(_forward_headers(upstream.headers))
         if "Content-Length" in upstream.headers:
             response.content_length = int(upstream.headers["Content-Length"])
         kept = bytearray(first[:USAGE_SCAN_BYTES])
@@ -623,14 +677,149 @@ def _cancel_code(tracked: InflightRequest) -> str:
     return "kv_cache_reconfigure" if tracked.cancel_reason == "drain" else "kv_cache_pressure"
 
 
-def _forward_headers(incoming: Mapping[str, str]) -> CIMultiDict[str]:
-    named = {h.strip().lower() for h in incoming.get("Connection", "").split(",") if h.strip()}
+def _forward_headers(incoming: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
+    """``incoming`` without hop-by-hop headers.
+
+    RFC 9110's, ``Proxy-*`` and those every ``Connection`` header names, both ways:
+    requests to the engine and answers to the client.
+    """
+    named = {
+        h.strip().lower()
+        for value in incoming.getall("Connection", [])
+        for h in value.split(",")
+        if h.strip()
+    }
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in incoming.items():
         lower = name.lower()
-        if lower not in HOP_BY_HOP and lower not in named:
+        if lower not in HOP_BY_HOP and lower not in named and not lower.startswith("proxy-"):
             out.add(name, value)
     return out
+
+
+def screen_request(request: web.Request, settings: ProxySettings) -> tuple[int, str, str] | None:
+    """Why ``request`` must not be forwarded, as (status, reason, message); None if it may."""
+    if request.method not in ALLOWED_METHODS:
+        return (
+            405,
+            "method_not_allowed",
+            (
+                f"method {request.method} is not forwarded"
+                f" (allowed: {', '.join(sorted(ALLOWED_METHODS))}); kvguard is no forward proxy"
+            ),
+        )
+    raw = request.raw_path
+    if not raw.startswith("/"):
+        # Absolute-URI ("GET http://other/ HTTP/1.1") and asterisk ("OPTIONS *") targets:
+        # the upstream is fixed, so a target naming a host is a client mistake or a probe.
+        return (
+            400,
+            "bad_target",
+            (
+                "the request target must be a path (origin-form, like /v1/models);"
+                " kvguard forwards only to its configured engine and is no forward proxy"
+            ),
+        )
+    for name, value in request.headers.items():
+        if not _clean_header(name, value):
+            return (
+                400,
+                "bad_header",
+                (f"header {_shown(name)} holds a control character or bytes that are not UTF-8"),
+            )
+    path_problem = _path_problem(raw, request.path)
+    if path_problem is not None:
+        return 400, "bad_path", path_problem
+    normal = "/" + "/".join(part for part in request.path.lower().split("/") if part)
+    if not any(_under(normal, prefix) for prefix in settings.allowed_paths):
+        return (
+            404,
+            "path_not_allowed",
+            (f"{_shown(request.path)} is not forwarded to the engine ([proxy] allowed_paths)"),
+        )
+    if any(_under(normal, prefix) for prefix in settings.blocked_paths):
+        return (
+            403,
+            "path_blocked",
+            (
+                f"{_shown(request.path)} is an engine admin endpoint and is not served through"
+                " the proxy ([proxy] blocked_paths); call it on the engine's own address"
+            ),
+        )
+    return None
+
+
+def _under(path: str, prefix: str) -> bool:
+    """Whether normalised ``path`` is ``prefix`` or below it, in whole segments."""
+    prefix = prefix.lower().rstrip("/")
+    return not prefix or path == prefix or path.startswith(prefix + "/")
+
+
+def _path_problem(raw: str, decoded: str) -> str | None:
+    """Why a path is malformed, or None: what an engine could read as another path."""
+    raw_path = raw.split("?", 1)[0].lower()
+    if "%2f" in raw_path or "%5c" in raw_path or "\\" in decoded:
+        return "the path holds an encoded slash or a backslash"
+    if any(part in (".", "..") for part in decoded.split("/")):
+        return 'the path holds a "." or ".." segment'
+    if any(ord(ch) < 32 or ord(ch) == 127 or 0xD800 <= ord(ch) <= 0xDFFF for ch in decoded):
+        return "the path holds a control character or bytes that are not UTF-8"
+    return None
+
+
+def _clean_header(name: str, value: str) -> bool:
+    """No CR, LF, NUL or other control character (tab aside), no undecodable bytes."""
+    return all(
+        (ord(ch) >= 32 or ch == "\t") and ord(ch) != 127 and not 0xD800 <= ord(ch) <= 0xDFFF
+        for ch in name + value
+    )
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """``text`` safe to echo in an error: printable, bounded."""
+    cleaned = "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
+    return repr(cleaned + ("..." if len(text) > limit else ""))
+
+
+class _MalformedJSONError(ValueError):
+    """A body that is not strict JSON (RFC 8259)."""
+
+
+def _reject_constant(name: str) -> object:
+    raise _MalformedJSONError(f"{name} is not JSON")
+
+
+def _json_or_error(body: bytes) -> object:
+    """``body`` parsed as strict JSON, or a :class:`_MalformedJSONError` instance."""
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        # Deep nesting raises RecursionError: malformed for us, never a 500.
+        return _MalformedJSONError(type(exc).__name__)
+
+
+def _malformed_generation(payload: object, body: bytes, *, chat: bool) -> str | None:
+    """Why a generation request's body must not be forwarded, or None."""
+    if not body:
+        return None  # nothing to parse; the engine says what it needs
+    if isinstance(payload, _MalformedJSONError):
+        return "the body must be one JSON object (strict JSON: no NaN or Infinity)"
+    if not isinstance(payload, dict):
+        return f"the body must be a JSON object, not {type(payload).__name__}"
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = payload.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{key} must be an integer, not {type(value).__name__}"
+        if not 1 <= value <= MAX_TOKENS_LIMIT:
+            return f"{key} must be from 1 to {MAX_TOKENS_LIMIT}, not {value}"
+    field, kinds = ("messages", (list,)) if chat else ("prompt", (str, list))
+    value = payload.get(field)
+    if value is not None and not isinstance(value, kinds):
+        allowed = "a list" if chat else "a string or a list"
+        return f"{field} must be {allowed}, not {type(value).__name__}"
+    return None
 
 
 def _count_events(tracked: InflightRequest, data: bytes) -> bytes:
@@ -642,7 +831,7 @@ def _count_events(tracked: InflightRequest, data: bytes) -> bytes:
                 continue
             try:
                 chunk = json.loads(line[5:])
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError):
                 continue
             usage = chunk.get("usage") if isinstance(chunk, dict) else None
             if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
@@ -656,7 +845,7 @@ def _count_usage(tracked: InflightRequest, body: bytes) -> None:
     """Completion tokens from a whole answer's ``usage`` (when the body parses)."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # an engine's garbage must not fail the answer
         return
     usage = data.get("usage") if isinstance(data, dict) else None
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):

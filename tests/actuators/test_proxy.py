@@ -532,3 +532,70 @@ async def test_a_request_held_when_a_drain_begins_is_refused_not_forwarded(sim_s
             assert resp.status == 503
             assert (await resp.json())["error"]["code"] == "kv_cache_reconfigure"
     assert state.counters.shed == {("standard", "draining"): 1}
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        (b"{not json", "JSON object"),
+        (b'{"prompt": "x", "temperature": NaN}', "no NaN"),
+        (b"[" * 50_000, "JSON object"),  # deep nesting: a RecursionError once, a 500
+        (b'["prompt"]', "not list"),
+        (b'{"prompt": "x", "max_tokens": "12"}', "max_tokens must be an integer, not str"),
+        (b'{"prompt": "x", "max_tokens": 1.5}', "max_tokens must be an integer, not float"),
+        (b'{"prompt": "x", "max_tokens": true}', "max_tokens must be an integer, not bool"),
+        (b'{"prompt": "x", "max_tokens": -3}', "max_tokens must be from 1"),
+        (b'{"prompt": "x", "max_tokens": 99999999999999999999}', "max_tokens must be from 1"),
+        (b'{"prompt": 5}', "prompt must be a string or a list"),
+    ],
+)
+async def test_malformed_generation_bodies_are_refused_naming_the_field(
+    echo, proxy_to, body, named
+):
+    """A generation body the engine could misread gets 400 saying what is wrong; none is sent."""
+    upstream, seen, _ = echo
+    proxy, counted = await proxy_to(upstream)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{proxy}/v1/completions", data=body) as resp,
+    ):
+        answer = await resp.json()
+    assert resp.status == 400
+    assert named in answer["error"]["message"]
+    assert answer["error"]["code"] == "invalid_body"
+    assert counted.counters.rejected["invalid_body"] == 1
+    assert seen == []
+
+
+async def test_chat_messages_must_be_a_list(echo, proxy_to):
+    """max_completion_tokens is checked like max_tokens; messages must be a list."""
+    upstream, seen, _ = echo
+    proxy, _ = await proxy_to(upstream)
+    async with aiohttp.ClientSession() as http:
+        for payload in ({"messages": "hi"}, {"messages": [], "max_completion_tokens": 0}):
+            async with http.post(f"{proxy}/v1/chat/completions", json=payload) as resp:
+                assert resp.status == 400
+    assert seen == []
+
+
+async def test_engine_admin_paths_and_allowed_paths(echo, proxy_to):
+    """The engines' admin endpoints get 403 by default; allowed_paths narrows what passes."""
+    upstream, seen, _ = echo
+    proxy, _ = await proxy_to(upstream)
+    narrow, _ = await proxy_to(upstream, allowed_paths=("/v1",))
+    opened, _ = await proxy_to(upstream, blocked_paths=())
+    async with aiohttp.ClientSession() as http:
+        for path in ("/reset_prefix_cache", "/pause?mode=abort", "/Flush_Cache", "/slots/0"):
+            async with http.post(f"{proxy}{path}") as resp:
+                answer = await resp.json()
+                assert resp.status == 403, path
+                assert "[proxy] blocked_paths" in answer["error"]["message"]
+        async with http.get(f"{narrow}/health") as resp:
+            assert resp.status == 404
+            assert "[proxy] allowed_paths" in (await resp.json())["error"]["message"]
+        assert seen == []
+        async with http.get(f"{narrow}/v1/models") as resp:
+            assert resp.status == 418  # the echo upstream's answer: forwarded
+        async with http.post(f"{opened}/reset_prefix_cache") as resp:
+            assert resp.status == 418  # an operator who wants them through says so
+    assert [s["path"] for s in seen] == ["/v1/models", "/reset_prefix_cache"]
