@@ -15,6 +15,12 @@ GPU does not support, and a call that hangs::
 
 Names, return shapes and error classes mirror ``pynvml`` (nvidia-ml-py), hence
 the camelCase below.
+
+:class:`SimulatedAllocator` grows a fake GPU's used memory as PyTorch's CUDA caching
+allocator would for one process (segments, a CUDA context, an out-of-memory error
+when the GPU is full), and :func:`nvidia_smi_csv` prints the fake GPUs as
+``nvidia-smi --query-gpu`` does: together they let the GPU check
+(``scripts/gpu-check.sh --fake``) run without a GPU.
 """
 
 # ruff: noqa: N801, N802, N815, N818 - the fake mirrors pynvml's names on purpose
@@ -422,3 +428,179 @@ class FakeNvml:
     def _check_supported(self, field_name: str) -> None:
         if field_name in self.not_supported:
             raise NVMLError_NotSupported
+
+
+# -- a simulated CUDA caching allocator on a fake GPU ----------------------------------
+
+MiB = 2**20
+# PyTorch's caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests are
+# rounded to 512 B; up to 1 MiB they come from 2 MiB segments, up to 10 MiB from
+# 20 MiB segments, and larger ones get their own segment rounded up to 2 MiB.
+ALLOCATION_ROUND_BYTES = 512
+SMALL_ALLOCATION_BYTES = 1 * MiB
+SMALL_SEGMENT_BYTES = 2 * MiB
+LARGE_SEGMENT_BYTES = 20 * MiB
+MIN_LARGE_ALLOCATION_BYTES = 10 * MiB
+DEFAULT_CONTEXT_BYTES = 500 * MiB  # what a CUDA context costs on a recent GPU
+
+
+class FakeOutOfMemoryError(RuntimeError):
+    """No room on the fake GPU for a new segment: ``torch.cuda.OutOfMemoryError``'s stand-in."""
+
+
+@dataclass(eq=False)  # segments are told apart by identity, not by their sizes
+class _Segment:
+    size: int
+    used: int = 0
+    small: bool = False
+
+
+class SimulatedAllocator:
+    """PyTorch's CUDA caching allocator in miniature, for one fake process on one fake GPU.
+
+    Each allocation is rounded as PyTorch rounds it and carved from a cached
+    segment; a new segment is taken from the GPU (``FakeGpu.used_bytes`` and the
+    process's entry in ``FakeGpu.processes`` grow by its size) only when no cached
+    one has room, and fails with :class:`FakeOutOfMemoryError` when the GPU's free
+    memory is smaller than the segment — as ``cudaMalloc`` fails. Freed blocks stay
+    cached (reserved) until :meth:`empty_cache`, as in PyTorch. Fragmentation is
+    modelled only roughly: a segment's free space is one run, and a segment too full
+    for a request is not offered to later ones until something in it is freed (exact
+    for a load of one block size, and what keeps a long run linear in time).
+
+    ``memory_allocated`` / ``memory_reserved`` mirror ``torch.cuda.memory_allocated``
+    / ``memory_reserved``; :meth:`start` creates the CUDA context (``context_bytes``
+    on the GPU, not counted as reserved) and :meth:`shutdown` gives everything back.
+    """
+
+    def __init__(
+        self,
+        nvml: FakeNvml,
+        index: int = 0,
+        *,
+        pid: int = 4242,
+        context_bytes: int = DEFAULT_CONTEXT_BYTES,
+    ) -> None:
+        if not 0 <= index < len(nvml.gpus):
+            raise ValueError(f"index: no fake GPU {index} (there are {len(nvml.gpus)})")
+        if pid <= 0:
+            raise ValueError(f"pid: a positive process id, got {pid}")
+        if context_bytes < 0:
+            raise ValueError(f"context_bytes: 0 or more, got {context_bytes}")
+        self.nvml = nvml
+        self.index = index
+        self.pid = pid
+        self.context_bytes = context_bytes
+        self._segments: list[_Segment] = []
+        self._open: list[_Segment] = []  # segments that may still have room
+        self._blocks: dict[int, tuple[_Segment, int]] = {}
+        self._next_handle = 1
+        self._started = False
+
+    @property
+    def gpu(self) -> FakeGpu:
+        """The fake GPU this allocator takes its memory from."""
+        return self.nvml.gpus[self.index]
+
+    def memory_allocated(self) -> int:
+        """Bytes held by live allocations (``torch.cuda.memory_allocated``)."""
+        return sum(size for _, size in self._blocks.values())
+
+    def memory_reserved(self) -> int:
+        """Bytes in cached segments (``torch.cuda.memory_reserved``)."""
+        return sum(s.size for s in self._segments)
+
+    def start(self) -> None:
+        """Create the CUDA context: the process appears on the GPU with ``context_bytes``."""
+        if self._started:
+            return
+        if self.context_bytes > self.gpu.free_bytes:
+            raise FakeOutOfMemoryError("CUDA error: out of memory (creating the context)")
+        self._started = True
+        self._charge(self.context_bytes)
+
+    def allocate(self, nbytes: int) -> int:
+        """Allocate ``nbytes``; returns a handle for :meth:`free`."""
+        if nbytes <= 0:
+            raise ValueError(f"nbytes: a positive number of bytes, got {nbytes}")
+        self.start()
+        size = -(-nbytes // ALLOCATION_ROUND_BYTES) * ALLOCATION_ROUND_BYTES
+        small = size <= SMALL_ALLOCATION_BYTES
+        segment = next(
+            (s for s in self._open if s.small == small and s.size - s.used >= size), None
+        )
+        if segment is None:
+            segment = _Segment(self._segment_size(size), small=small)
+            if segment.size > self.gpu.free_bytes:
+                raise FakeOutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {size / MiB:.2f} MiB. GPU"
+                    f" {self.index} has a total capacity of {self.gpu.total_bytes / 2**30:.2f}"
+                    f" GiB of which {self.gpu.free_bytes / MiB:.2f} MiB is free."
+                )
+            self._segments.append(segment)
+            self._open.append(segment)
+            self._charge(segment.size)
+        segment.used += size
+        # Drop what could not take this request again (so the search stays short).
+        self._open = [s for s in self._open if s.size - s.used >= size or s.small != small]
+        handle = self._next_handle
+        self._next_handle += 1
+        self._blocks[handle] = (segment, size)
+        return handle
+
+    def free(self, handle: int) -> None:
+        """Free an allocation; its segment stays cached."""
+        segment, size = self._blocks.pop(handle)
+        segment.used -= size
+        if segment not in self._open:
+            self._open.append(segment)
+
+    def empty_cache(self) -> None:
+        """Give unused cached segments back to the GPU (``torch.cuda.empty_cache``)."""
+        idle = [s for s in self._segments if s.used == 0]
+        self._segments = [s for s in self._segments if s.used > 0]
+        self._open = [s for s in self._open if s.used > 0]
+        self._charge(-sum(s.size for s in idle))
+
+    def shutdown(self) -> None:
+        """Free everything and end the context: the process leaves the GPU."""
+        for handle in list(self._blocks):
+            self.free(handle)
+        self.empty_cache()
+        if self._started:
+            self._charge(-self.context_bytes)
+            self._started = False
+            processes = dict(self.gpu.processes)
+            processes.pop(self.pid, None)
+            self.nvml.set_processes(self.index, processes)
+
+    @staticmethod
+    def _segment_size(size: int) -> int:
+        if size <= SMALL_ALLOCATION_BYTES:
+            return SMALL_SEGMENT_BYTES
+        if size < MIN_LARGE_ALLOCATION_BYTES:
+            return LARGE_SEGMENT_BYTES
+        return -(-size // SMALL_SEGMENT_BYTES) * SMALL_SEGMENT_BYTES
+
+    def _charge(self, nbytes: int) -> None:
+        """Move the GPU's and this process's used bytes by ``nbytes`` (may be negative)."""
+        gpu = self.gpu
+        self.nvml.set_used(self.index, gpu.used_bytes + nbytes)
+        processes = dict(gpu.processes)
+        processes[self.pid] = (processes.get(self.pid) or 0) + nbytes
+        # One assignment: a probe thread iterating the old dict never sees it change.
+        self.nvml.set_processes(self.index, processes)
+
+
+def nvidia_smi_csv(nvml: FakeNvml) -> str:
+    """What ``nvidia-smi --query-gpu=index,memory.total,memory.used --format=csv`` prints.
+
+    Figures in whole MiB, rounded down, as nvidia-smi prints them; ``memory.used``
+    leaves out the driver's reservation, as drivers with memory info v2 report it.
+    """
+    lines = ["index, memory.total [MiB], memory.used [MiB]"]
+    lines += [
+        f"{i}, {gpu.total_bytes // MiB} MiB, {gpu.used_bytes // MiB} MiB"
+        for i, gpu in enumerate(nvml.gpus)
+    ]
+    return "\n".join(lines) + "\n"
