@@ -148,6 +148,9 @@ class GpuConfig:
     indices: tuple[int, ...] = ()
     uuids: tuple[str, ...] = ()
     memory_bytes: int | None = None
+    # Supervisor mode: watch the GPUs the supervised engine's processes use. Off by
+    # default: in a container NVML reports host PIDs, which then match nothing.
+    follow_engine: bool = False
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,7 @@ class Config:
                 "indices": list(self.gpu.indices),
                 "uuids": list(self.gpu.uuids),
                 "memory_bytes": self.gpu.memory_bytes,
+                "follow_engine": self.gpu.follow_engine,
             },
             "poll": dict(vars(self.poll)),
             "server": {
@@ -371,6 +375,7 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "indices": list_of(integer(0, 1023)),
         "uuids": list_of(text),
         "memory": size,
+        "follow_engine": boolean,
     },
     "poll": {
         "interval_s": number(0.0, 60.0),

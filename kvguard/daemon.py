@@ -20,7 +20,7 @@ from kvguard import __version__
 from kvguard.actuators.proxy import AdmissionProxy
 from kvguard.brain import Brain
 from kvguard.config import Config
-from kvguard.errors import KvguardError, ProbeError
+from kvguard.errors import InvalidInputError, KvguardError, ProbeError
 from kvguard.model.budget import BudgetReport, budget_inputs_from, plan_budget
 from kvguard.model.snapshot import EngineStats, GpuMemory, HostStats, Snapshot, SourceReading
 from kvguard.model_files import load_model_files
@@ -43,6 +43,13 @@ FAST_POLL_KV_USAGE = 0.9
 FAST_POLL_GPU_FREE_RATIO = 0.05
 # A reported KV capacity this far from the budget's prediction is logged.
 RECONCILIATION_TOLERANCE = 0.05
+# The loop watchdog wakes this often and reports the loop stalled when a wake-up is
+# this late: a stalled loop also stalls the proxy and the HTTP API, not only the ticks.
+LOOP_WATCH_PERIOD_S = 0.1
+DEFAULT_LOOP_STALL_S = 1.0
+# Probes run concurrently, each under poll.timeout_s; a tick this much longer than
+# that was held up by something that blocked the loop (a slow collector, a sync call).
+TICK_OVERRUN_MARGIN_S = 0.5
 
 
 def budget_for(config: Config, gpu_memory_bytes: int | None) -> BudgetReport | None:
@@ -164,10 +171,58 @@ class DaemonState:
     last_tick_at: float | None = None
     started_at: float = 0.0
     trackers: dict[str, ProbeTracker[Any]] = field(default_factory=dict)
+    tick_overruns_total: int = 0
+    loop_lag_s: float = 0.0  # how late the loop watchdog's latest wake-up was
+    loop_lag_max_s: float = 0.0
+    loop_stalls_total: int = 0
+
+
+class LoopWatchdog:
+    """Measures how late the event loop runs a timer, and reports stalls.
+
+    Everything kvguard serves (ticks, the proxy, /metrics) shares one loop: a probe or
+    a collector that blocks it stops them all, and ``asyncio.wait_for`` cannot time
+    out a call that never yields. The watchdog cannot stop such a call either; it
+    makes it visible: ``kvguard_event_loop_lag_seconds``,
+    ``kvguard_event_loop_stalls_total`` and one ``event_loop_stalled`` log event per
+    stall. It uses the loop's own clock (what is measured is the loop, not the
+    daemon's injected clock).
+    """
+
+    def __init__(
+        self, state: DaemonState, *, stall_s: float, period_s: float = LOOP_WATCH_PERIOD_S
+    ) -> None:
+        self.state = state
+        self.stall_s = stall_s
+        self.period_s = period_s
+
+    async def run(self) -> None:
+        """Watch until cancelled."""
+        loop = asyncio.get_running_loop()
+        state = self.state
+        while True:
+            due = loop.time() + self.period_s
+            await asyncio.sleep(self.period_s)
+            lag = max(0.0, loop.time() - due)
+            state.loop_lag_s = lag
+            state.loop_lag_max_s = max(state.loop_lag_max_s, lag)
+            if lag >= self.stall_s:
+                state.loop_stalls_total += 1
+                log.warning(
+                    "event_loop_stalled",
+                    stalled_s=round(lag, 3),
+                    threshold_s=self.stall_s,
+                    hint="a probe, collector or handler blocked the loop; see"
+                    " kvguard_probe_duration_seconds and kvguard_tick_duration_seconds",
+                )
 
 
 class Daemon:
-    """Runs the probes every tick and keeps the budget and reconciliation current."""
+    """Runs the probes every tick and keeps the budget and reconciliation current.
+
+    ``loop_stall_s``: a timer the event loop runs this late is reported as a stall
+    (:class:`LoopWatchdog`, while :meth:`run` runs).
+    """
 
     def __init__(
         self,
@@ -177,9 +232,14 @@ class Daemon:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         dry_run: bool = False,
+        loop_stall_s: float = DEFAULT_LOOP_STALL_S,
     ) -> None:
         self.config = config
         self.dry_run = dry_run
+        if not loop_stall_s > 0:
+            raise InvalidInputError("loop_stall_s", loop_stall_s, "must be > 0 seconds")
+        self.loop_stall_s = loop_stall_s
+        self._overrunning = False
         self.clock = clock
         self.wall_clock = wall_clock
         self.brain = Brain(config, dry_run=dry_run)
@@ -197,6 +257,7 @@ class Daemon:
         self._budget_memory: int | None = None
         self.version = __version__
         self._reported_mismatch: int | None = None
+        self._engine_cache: dict[str, object] | None = None
         self._nvml_total: int | None = None
         self._closing: list[asyncio.Task[None]] = []
         self.refresh_budget()
@@ -229,6 +290,12 @@ class Daemon:
         host = self.probes.host
         if self.supervisor is not None and isinstance(host, HostProbe):
             host.follow(self.supervisor.pid)  # the engine kvguard started (it may restart)
+        nvml = self.probes.nvml
+        # Opt-in ([gpu] follow_engine): NVML reports PIDs of the host's namespace, which
+        # in a container match nothing, so following by PID there would watch no GPU.
+        follow = self.supervisor is not None and self.config.gpu.follow_engine
+        if follow and self.supervisor is not None and isinstance(nvml, NvmlProbe):
+            nvml.follow(self.supervisor.pid)
         trackers = self.state.trackers
         await asyncio.gather(*(self._sample(name, t) for name, t in trackers.items()))
         now = self.clock()
@@ -244,7 +311,8 @@ class Daemon:
             self._nvml_total = min(g.total_bytes for g in gpus)
             if self.config.gpu.memory_bytes is None:
                 self._refresh_budget_safely(self._nvml_total)
-        self._reconcile(snapshot.engine)
+        fresh = trackers["engine"].ok if "engine" in trackers else False
+        self._reconcile(snapshot.engine if fresh else None)
         actuators = self.actuators
         if actuators is not None:
             actuators.set_kind(getattr(self.probes.engine, "kind", None))
@@ -255,6 +323,18 @@ class Daemon:
         state.ticks_total += 1
         state.tick_duration_s = now - started
         state.last_tick_at = now
+        budget_s = self.config.poll.timeout_s + TICK_OVERRUN_MARGIN_S
+        overran = state.tick_duration_s > budget_s
+        if overran:
+            state.tick_overruns_total += 1
+        if overran and not self._overrunning:  # once per run of slow ticks, not per tick
+            log.warning(
+                "tick_overran",
+                duration_s=round(state.tick_duration_s, 3),
+                budget_s=budget_s,
+                probes={n: round(t.duration_s, 3) for n, t in trackers.items()},
+            )
+        self._overrunning = overran
         return snapshot
 
     async def _sample(self, name: str, tracker: ProbeTracker[Any]) -> None:
@@ -307,6 +387,8 @@ class Daemon:
             self.state.budget_error = str(exc)
 
     def _reconcile(self, engine: EngineStats | None) -> None:
+        if engine is not None:
+            self._notice_cache_change(engine)
         budget = self.state.budget
         if budget is None or engine is None or engine.kv_capacity_tokens is None:
             return
@@ -322,6 +404,22 @@ class Daemon:
                 difference_ratio=round(ratio or 0.0, 4),
             )
             self._reported_mismatch = rec.reported_tokens
+
+    def _notice_cache_change(self, engine: EngineStats) -> None:
+        """Log when the engine's KV cache changes shape: it restarted with other settings."""
+        cache: dict[str, object] = {
+            "kv_capacity_tokens": engine.kv_capacity_tokens,
+            "block_size": engine.block_size,
+            "cache_dtype": engine.cache_dtype,
+        }
+        if all(value is None for value in cache.values()):
+            return  # this engine does not say; nothing to compare
+        before = self._engine_cache
+        self._engine_cache = cache
+        if before is not None and before != cache:
+            # Before the reconciliation line: an operator reads why the numbers moved.
+            log.warning("engine_cache_changed", before=before, after=cache)
+            self.notify("engine_cache_changed", {"before": before, "after": cache})
 
     def notify(self, event: str, fields: dict[str, Any]) -> None:
         """Send an event to the webhooks, if any (never blocks, never raises)."""
@@ -351,17 +449,25 @@ class Daemon:
         *,
         after_tick: Callable[[Snapshot], Awaitable[None] | None] | None = None,
     ) -> None:
-        """Tick until ``stop`` is set; a set ``stop`` lets the current tick finish."""
-        while not stop.is_set():
-            snapshot = await self.tick()
-            if after_tick is not None:
-                result = after_tick(snapshot)
-                if result is not None:
-                    await result
-            try:
-                await asyncio.wait_for(stop.wait(), self.next_interval())
-            except (asyncio.TimeoutError, TimeoutError):
-                continue
+        """Tick until ``stop`` is set; a set ``stop`` lets the current tick finish.
+
+        The loop watchdog (:class:`LoopWatchdog`) runs beside the ticks meanwhile.
+        """
+        watchdog = asyncio.ensure_future(LoopWatchdog(self.state, stall_s=self.loop_stall_s).run())
+        try:
+            while not stop.is_set():
+                snapshot = await self.tick()
+                if after_tick is not None:
+                    result = after_tick(snapshot)
+                    if result is not None:
+                        await result
+                try:
+                    await asyncio.wait_for(stop.wait(), self.next_interval())
+                except (asyncio.TimeoutError, TimeoutError):
+                    continue
+        finally:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
 
     def reload(self, config: Config) -> None:
         """Adopt a new, already validated config, all or nothing.

@@ -12,13 +12,18 @@ shell), passes its output through to kvguard's stderr line by line, and watches 
   ``kvguard_engine_oom_total`` even when the engine survives it;
 * :meth:`Supervisor.restart` replaces the command (the fp8 switch) and
   :meth:`Supervisor.stop` ends the child at kvguard's own shutdown: SIGTERM, then
-  SIGKILL after ``stop_timeout_s``. The engine never outlives kvguard.
+  SIGKILL after ``stop_timeout_s``. The engine never outlives kvguard: on Linux the
+  child also asks the kernel for SIGTERM when kvguard dies (``PR_SET_PDEATHSIG``), so
+  a kvguard killed by SIGKILL or the OOM killer does not leave an orphaned engine
+  holding the GPU for the next kvguard to start a second one beside.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import re
 import signal
@@ -46,6 +51,36 @@ STABLE_AFTER_S = 60.0  # up this long: the next crash starts the backoff afresh
 OOM_RECENT_S = 30.0  # an OOM line this close to an exit makes it an OOM exit
 
 EventSink = Callable[[str, dict[str, Any]], None]
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """The C library's prctl, loaded now: a child must not load libraries before exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    prctl: Callable[..., int] = libc.prctl
+    return prctl
+
+
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGTERM when kvguard dies (Linux only)."""
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+
+    def arm() -> None:  # runs in the child, between fork and exec: no allocation-heavy work
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:  # kvguard died before the line above: go now
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 class Supervisor:
@@ -124,6 +159,7 @@ class Supervisor:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C to kvguard's terminal is kvguard's to pass on
+                preexec_fn=_die_with_parent(os.getpid()),
             )
         except OSError as exc:
             raise KvguardError(f"cannot start the engine {self.argv[0]!r}: {exc.strerror}") from exc

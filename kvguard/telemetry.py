@@ -79,6 +79,26 @@ class DaemonCollector(Collector):
             "kvguard_tick_duration_seconds", "Duration of the last tick.", state.tick_duration_s
         )
         yield CounterMetricFamily("kvguard_ticks", "Ticks completed.", value=state.ticks_total)
+        yield CounterMetricFamily(
+            "kvguard_tick_overruns",
+            "Ticks longer than poll.timeout_s + 0.5 s: something blocked the event loop.",
+            value=state.tick_overruns_total,
+        )
+        yield GaugeMetricFamily(
+            "kvguard_event_loop_lag_seconds",
+            "How late the event loop ran the watchdog's latest timer.",
+            value=state.loop_lag_s,
+        )
+        yield GaugeMetricFamily(
+            "kvguard_event_loop_lag_max_seconds",
+            "The largest event-loop lag since kvguard started.",
+            value=state.loop_lag_max_s,
+        )
+        yield CounterMetricFamily(
+            "kvguard_event_loop_stalls",
+            "Times the event loop was stalled past the watchdog's threshold.",
+            value=state.loop_stalls_total,
+        )
 
     def _fresh(self, source: str) -> bool:
         """Whether ``source`` answered this tick: a stale value is not exported as live."""

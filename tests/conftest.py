@@ -13,6 +13,15 @@ from kvguard.sim.engine import TimeModel
 from kvguard.sim.runner import PoolSpec, SimServer, size_pool, start_sim_server
 
 
+@pytest.fixture(autouse=True)
+def _state_in_tmp(tmp_path_factory, monkeypatch):
+    """The state file (kvguard/state.py) goes to a temp folder, never ~/.local/state.
+
+    Set in the environment, so a `kvguard run` a test starts inherits it too.
+    """
+    monkeypatch.setenv("KVGUARD_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+
+
 @pytest.fixture
 def budget_of():
     """Budget a bundled (or on-disk) model the way `kvguard budget` does."""

@@ -6,7 +6,9 @@ each as a background task (one per kind at a time), counts how it ended
 (``kvguard_action_results_total{action,result}``), logs it (``action_result``),
 sends it to the webhooks, and tells the ladder what the engine's KV cache really is
 after a switch. It also says which actions this engine cannot take, so the ladder
-falls through to the next one (and the log says why, once).
+falls through to the next one (and the log says why, once). Given the state
+file's record (:mod:`kvguard.state`), it resumes an engine that an earlier kvguard
+paused and never resumed (it was killed) as soon as the engine's kind is known.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvguard.actuators.engine_admin import AdminResult, EngineAdmin
 from kvguard.actuators.engine_flags import supports_fp8
 from kvguard.actuators.reconfigure import Reconfigurer
 from kvguard.model.policy import Action
+from kvguard.state import EnginePauseRecord
 
 log = structlog.get_logger("kvguard.actuators")
 EventSink = Callable[[str, dict[str, Any]], None]
@@ -39,8 +42,11 @@ class Actuators:
         shed_by_pause: bool = False,
         proxy_in_path: bool = False,
         on_event: EventSink | None = None,
+        pause_record: EnginePauseRecord | None = None,
     ) -> None:
         self.build = build
+        # What an earlier kvguard left behind (kvguard.state): a pause it never undid.
+        self.pause_record = pause_record
         self.admin: EngineAdmin | None = None
         self.reconfigurer: Reconfigurer | None = None
         self.on_fp8 = on_fp8
@@ -69,6 +75,24 @@ class Actuators:
         self.admin, self.reconfigurer = self.build(kind)
         if self.reconfigurer is not None and self.reconfigurer.fp8:
             self.on_fp8(True)  # kvguard's fp8 drop-in outlived a restart of kvguard
+        self._reconcile_stale_pause()
+
+    def _reconcile_stale_pause(self) -> None:
+        """Resume an engine an earlier kvguard paused and could not resume (it was killed)."""
+        record = self.pause_record
+        if record is None or not record.paused:
+            return
+        admin = self.admin
+        if admin is None or not admin.supports("resume"):
+            log.warning(
+                "stale_pause_unresolved",
+                engine=record.engine_url,
+                reason=f"{self.kind} offers no resume endpoint kvguard can call",
+            )
+            return
+        log.warning("stale_pause_found", engine=record.engine_url)
+        self.paused = True  # until the resume says otherwise: /metrics shows the truth
+        self._start("resume", self._resume_stale())
 
     def unavailable(self) -> dict[str, str]:
         """Actions this engine cannot take now, with why (the ladder falls through)."""
@@ -159,6 +183,12 @@ class Actuators:
         result = await self.admin.resume()
         self.paused = not result.ok
         self._admin_done(result)
+
+    async def _resume_stale(self) -> None:
+        await self._resume()
+        record = self.pause_record
+        if not self.paused and record is not None:
+            log.info("stale_pause_resumed", engine=record.engine_url)
 
     async def _switch(self, *, fp8: bool) -> None:
         reconfigurer = self.reconfigurer

@@ -153,8 +153,10 @@ class EngineAdmin:
     ``url`` is the engine's base URL and ``kind`` one of vllm, sglang, llamacpp,
     tgi, trtllm. ``timeout_s`` bounds each HTTP request; ``retries`` is the number
     of attempts in total (at least 1), with ``backoff_s``, doubling, slept through
-    ``sleep`` between them. The HTTP session is made on first use; :meth:`close`
-    closes it.
+    ``sleep`` between them. ``on_pause_change`` is told ``True`` before a pause is
+    sent and ``False`` after a resume that worked (kvguard records it in its state
+    file, :mod:`kvguard.state`). The HTTP session is made on first use;
+    :meth:`close` closes it.
     """
 
     def __init__(
@@ -167,6 +169,7 @@ class EngineAdmin:
         retries: int = 3,
         backoff_s: float = 0.5,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        on_pause_change: Callable[[bool], None] | None = None,
     ) -> None:
         base = URL(url)
         if base.scheme not in ("http", "https") or not base.host:
@@ -193,6 +196,9 @@ class EngineAdmin:
         self._retries = retries
         self._backoff_s = backoff_s
         self._sleep = sleep
+        # Told True before a pause is sent and False after a resume worked: kvguard's
+        # state file (kvguard.state), so a kvguard killed meanwhile resumes on restart.
+        self._on_pause_change = on_pause_change or (lambda _paused: None)
         self._session: aiohttp.ClientSession | None = None
         # Actions found missing on this engine (404/501), with the detail to repeat.
         self._unavailable: dict[str, str] = {}
@@ -218,6 +224,9 @@ class EngineAdmin:
 
     async def pause(self) -> AdminResult:
         """Stop admitting new requests; running ones finish (vLLM) or wait in place (SGLang)."""
+        if self.supports("pause"):
+            # Before sending: the engine may pause without ever answering (mode=wait).
+            self._on_pause_change(True)
         if self._kind == "vllm":
             return await self._run("pause", self._vllm_pause)
         if self._kind == "sglang":
@@ -235,14 +244,18 @@ class EngineAdmin:
     async def resume(self) -> AdminResult:
         """Admit and run requests again after :meth:`pause`."""
         if self._kind == "vllm":
-            return await self._run("resume", lambda: self._simple_post("/resume", "resumed"))
-        if self._kind == "sglang":
-            return await self._run(
+            result = await self._run("resume", lambda: self._simple_post("/resume", "resumed"))
+        elif self._kind == "sglang":
+            result = await self._run(
                 "resume",
                 # SGLang parses a (field-less) JSON body here; an empty one is refused.
                 lambda: self._simple_post("/continue_generation", "resumed", json_body={}),
             )
-        return self._not_offered("resume")
+        else:
+            return self._not_offered("resume")
+        if result.ok:
+            self._on_pause_change(False)
+        return result
 
     async def close(self) -> None:
         """Close the HTTP session (a later call opens a new one)."""

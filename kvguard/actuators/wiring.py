@@ -28,6 +28,7 @@ from kvguard.actuators.reconfigure import (
 from kvguard.config import Config
 from kvguard.errors import KvguardError
 from kvguard.model.snapshot import EngineStats
+from kvguard.state import EnginePauseRecord, StateFile
 from kvguard.supervisor import Supervisor
 
 if TYPE_CHECKING:
@@ -50,12 +51,20 @@ def restart_mode(config: Config, *, supervised: bool) -> str:
     return mode
 
 
-def attach_actuators(daemon: Daemon, *, supervisor: Supervisor | None = None) -> Actuators:
-    """Build the daemon's actuators and hand the ladder their ``launch``."""
+def attach_actuators(
+    daemon: Daemon, *, supervisor: Supervisor | None = None, state: StateFile | None = None
+) -> Actuators:
+    """Build the daemon's actuators and hand the ladder their ``launch``.
+
+    ``state`` is where a pause of the engine is recorded so that a kvguard killed while
+    it holds the engine paused resumes it when it starts again (default: the state
+    file the environment chooses, :func:`kvguard.state.state_dir`).
+    """
     config = daemon.config
     mode = restart_mode(config, supervised=supervisor is not None)
     engine = config.engine
     token = engine.token.reveal() if engine.token is not None else None
+    record = EnginePauseRecord(state or StateFile.from_environment(), engine.url)
 
     async def engine_stats() -> EngineStats | None:
         return await daemon.probes.engine.sample()
@@ -67,6 +76,7 @@ def attach_actuators(daemon: Daemon, *, supervisor: Supervisor | None = None) ->
             token=token,
             timeout_s=engine.admin_timeout_s,
             retries=engine.admin_attempts,
+            on_pause_change=record.mark,
         )
         restarter = _restarter(config, mode, kind, supervisor)
         if restarter is None or not supports_fp8(kind):
@@ -91,6 +101,7 @@ def attach_actuators(daemon: Daemon, *, supervisor: Supervisor | None = None) ->
         shed_by_pause=engine.shed_by_pause,
         proxy_in_path=daemon.proxy is not None,
         on_event=daemon.notify,
+        pause_record=record,
     )
     actuators.mode = mode
     daemon.actuators = actuators

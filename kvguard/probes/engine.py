@@ -87,6 +87,11 @@ class EngineProbe:
         self._session = session
         self._owns_session = session is None
         self._max_body_bytes = max_body_bytes
+        # Set while a large exposition is parsed in a thread. A parse that outlives the
+        # daemon's timeout keeps running (threads cannot be cancelled); scraping and
+        # queueing another behind it every tick would pile up threads and copies of
+        # the body, so samples fail fast until it ends (as the NVML probe does).
+        self._parsing_bytes: int | None = None
 
     @property
     def kind(self) -> EngineKind | None:
@@ -100,10 +105,16 @@ class EngineProbe:
 
     async def sample(self) -> EngineStats:
         """Scrape the engine once; raises :class:`ProbeError` when its metrics cannot be read."""
+        if self._parsing_bytes is not None:
+            raise ProbeError(
+                PROBE_NAME,
+                f"the previous exposition ({self._parsing_bytes} bytes) is still being parsed;"
+                " skipped this scrape",
+            )
         session = self._client()
         if self._kind is None:
             text = await self._metrics(session)
-            kind = await _off_loop(len(text), lambda: detect_kind(text))
+            kind = await self._off_loop(len(text), lambda: detect_kind(text))
             if kind is None:
                 prefixes = ", ".join(prefix for _, prefix in KIND_PREFIXES)
                 raise ProbeError(
@@ -139,13 +150,29 @@ class EngineProbe:
             props=_json_object(extras.get("/props")),
             healthy=healthy,
         )
-        return await _off_loop(len(text), lambda: adapter.parse(scrape))
+        return await self._off_loop(len(text), lambda: adapter.parse(scrape))
 
     async def close(self) -> None:
         """Close the HTTP session if this probe created it."""
         if self._owns_session and self._session is not None:
             await self._session.close()
         self._session = None
+
+    async def _off_loop(self, size: int, work: Callable[[], T]) -> T:
+        """Run pure parsing inline when small, in a thread when large (one at a time)."""
+        if size < _PARSE_IN_THREAD_BYTES:
+            return work()
+
+        def parse() -> T:
+            try:
+                return work()
+            finally:
+                self._parsing_bytes = None  # from the thread: one store, atomic under the GIL
+
+        # Cleared by the thread when it ends, even after the daemon's timeout gave up on it
+        # (a queued job always runs: the executor does not drop work).
+        self._parsing_bytes = size
+        return await asyncio.to_thread(parse)
 
     # ------------------------------------------------------------------ HTTP
     def _client(self) -> aiohttp.ClientSession:
@@ -230,13 +257,6 @@ class EngineProbe:
             return False
         # _get reads bodies of 200 only; any 2xx is healthy.
         return 200 <= status < 300
-
-
-async def _off_loop(size: int, work: Callable[[], T]) -> T:
-    """Run pure parsing inline when small, in a thread when large."""
-    if size < _PARSE_IN_THREAD_BYTES:
-        return work()
-    return await asyncio.to_thread(work)
 
 
 def _json_list(value: object) -> list[dict[str, Any]] | None:

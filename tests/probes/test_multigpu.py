@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
@@ -137,6 +138,20 @@ async def test_following_never_overrides_indices_or_uuids():
     probe.follow(os.getpid())
     assert probe.selector == GpuSelector(indices=(1, 3))
     assert [g.index for g in await probe.sample()] == [1, 3]
+
+
+@pytest.mark.parametrize(("follow", "watched"), [(True, [2, 3]), (False, [0, 1, 2, 3])])
+async def test_supervisor_mode_follows_the_engine_s_gpus_only_when_asked(
+    sim_engine, guard, child_process, follow, watched
+):
+    """[gpu] follow_engine: the daemon hands the supervised engine's PID to the NVML probe."""
+    nvml = FakeNvml(gpus(4, fuller=0, fuller_free=1 * GiB))
+    nvml.set_processes(2, {child_process.pid: GiB})
+    nvml.set_processes(3, {child_process.pid: GiB})
+    daemon, clock = await guard(await sim_engine(), nvml, gpu={"follow_engine": follow})
+    daemon.supervisor = SimpleNamespace(pid=child_process.pid)  # what Supervisor exposes
+    await tick(daemon, clock, 1)
+    assert [g.index for g in daemon.state.snapshot.gpus] == watched
 
 
 # ------------------------------------------------------------------ deciding on the tightest

@@ -1,0 +1,174 @@
+"""What kvguard did to the engine that must be undone even if kvguard dies: one small file.
+
+Almost everything kvguard does lives in its own process and dies with it: a proxy
+that sheds stops shedding when it stops existing. One action does not: a paused
+engine (``shed_by_pause``, or the drain of the fp8 switch without the proxy) stays
+paused after a SIGKILL or an OOM kill of kvguard, and refuses every request until
+someone resumes it. So before kvguard pauses an engine it writes that down, and it
+clears the note once a resume worked; a kvguard that starts and finds the note for
+its engine resumes it (``stale_pause_resumed``) before doing anything else.
+
+The file is ``state.json`` in the first of:
+
+1. ``$KVGUARD_STATE_DIR``;
+2. ``$STATE_DIRECTORY`` (systemd sets it from ``StateDirectory=kvguard``: usually
+   ``/var/lib/kvguard``; only its first entry is used);
+3. ``$XDG_STATE_HOME/kvguard``, else ``~/.local/state/kvguard``.
+
+It is JSON, ``{"version": 1, "engines": {"<engine url>": {"paused": true,
+"since": <unix time>}}}``, keyed by engine URL so that a kvguard pointed at another
+engine never resumes one it did not pause. Writes are atomic (a temporary file in
+the same directory, fsync, :func:`os.replace`, fsync of the directory): a crash
+mid-write leaves the old file or the new one, never half of one. A file that cannot
+be read or parsed is logged (``state_file_unreadable``) and treated as empty; a write
+that fails is logged (``state_file_write_failed``) and never stops the action.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("kvguard.state")
+
+STATE_FILE_NAME = "state.json"
+STATE_VERSION = 1
+# A state file this large is not ours: refuse to read it rather than load it all.
+_MAX_STATE_BYTES = 1024 * 1024
+
+
+def state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The directory of kvguard's state file, from the environment (see the module doc)."""
+    env = os.environ if env is None else env
+    explicit = env.get("KVGUARD_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    systemd = env.get("STATE_DIRECTORY")
+    if systemd:
+        # systemd joins several StateDirectory= entries with ':'; the first is ours.
+        return Path(systemd.split(":")[0])
+    xdg = env.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path(env.get("HOME") or Path.home()) / ".local" / "state"
+    return base / "kvguard"
+
+
+class StateFile:
+    """kvguard's persisted state, read and written whole (it is a few hundred bytes)."""
+
+    def __init__(self, path: Path, *, wall_clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self.wall_clock = wall_clock
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> StateFile:
+        """The state file at the location the environment chooses."""
+        return cls(state_dir(env) / STATE_FILE_NAME)
+
+    def load(self) -> dict[str, Any]:
+        """The stored document; empty when there is none or it is unusable (logged)."""
+        try:
+            with self.path.open("rb") as handle:
+                raw = handle.read(_MAX_STATE_BYTES + 1)
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            log.warning("state_file_unreadable", path=str(self.path), error=exc.strerror)
+            return {}
+        problem = None
+        doc: Any = None
+        if len(raw) > _MAX_STATE_BYTES:
+            problem = f"over {_MAX_STATE_BYTES} bytes"
+        else:
+            try:
+                doc = json.loads(raw)
+            except (ValueError, RecursionError) as exc:
+                problem = f"not JSON: {exc}"
+        if problem is None and (not isinstance(doc, dict) or doc.get("version") != STATE_VERSION):
+            problem = f"not a version {STATE_VERSION} kvguard state document"
+        if problem is not None:
+            log.warning("state_file_unreadable", path=str(self.path), error=problem)
+            return {}
+        return dict(doc)
+
+    def engine_paused(self, engine_url: str) -> bool:
+        """Whether kvguard recorded ``engine_url`` as paused by itself and not resumed."""
+        engines = self.load().get("engines")
+        entry = engines.get(engine_url) if isinstance(engines, dict) else None
+        return isinstance(entry, dict) and entry.get("paused") is True
+
+    def set_engine_paused(self, engine_url: str, paused: bool) -> bool:
+        """Record (or clear) that kvguard paused ``engine_url``; False when the write failed."""
+        doc = self.load()
+        engines = doc.get("engines")
+        engines = dict(engines) if isinstance(engines, dict) else {}
+        if paused:
+            engines[engine_url] = {"paused": True, "since": round(self.wall_clock(), 3)}
+        elif engine_url in engines:
+            del engines[engine_url]
+        else:
+            return True  # nothing recorded, nothing to write
+        return self._write({"version": STATE_VERSION, "engines": engines})
+
+    def _write(self, doc: dict[str, Any]) -> bool:
+        directory = self.path.parent
+        data = json.dumps(doc, sort_keys=True).encode("utf-8")
+        partial: str | None = None
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd, partial = tempfile.mkstemp(prefix=".state-", suffix=".tmp", dir=directory)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            Path(partial).replace(self.path)
+            partial = None
+            _fsync_dir(directory)  # the rename itself survives a power cut
+        except OSError as exc:
+            log.warning("state_file_write_failed", path=str(self.path), error=exc.strerror)
+            return False
+        finally:
+            if partial is not None:
+                with contextlib.suppress(OSError):
+                    Path(partial).unlink()
+        return True
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class EnginePauseRecord:
+    """The state file's note about one engine: paused by kvguard, or not."""
+
+    def __init__(self, state: StateFile, engine_url: str) -> None:
+        self.state = state
+        self.engine_url = engine_url
+
+    @classmethod
+    def from_environment(
+        cls, engine_url: str, env: Mapping[str, str] | None = None
+    ) -> EnginePauseRecord:
+        """The record for ``engine_url`` in the state file the environment chooses."""
+        return cls(StateFile.from_environment(env), engine_url)
+
+    @property
+    def paused(self) -> bool:
+        """Whether the file says kvguard left this engine paused."""
+        return self.state.engine_paused(self.engine_url)
+
+    def mark(self, paused: bool) -> None:
+        """Record a pause about to be sent (True) or a resume that worked (False)."""
+        self.state.set_engine_paused(self.engine_url, paused)
