@@ -1,0 +1,233 @@
+"""Proxy cost: latency kvguard's admission proxy adds, and the throughput it sustains.
+
+One fast stub upstream (bench/overhead_stub.py), each in its own process, and three
+ways to reach it, measured in the same run by the same client (its own process too,
+bench/overhead_client.py):
+
+* ``direct``: the client talks to the stub;
+* ``kvguard``: through a real ``kvguard run`` with ``[proxy] enabled`` (defaults
+  otherwise: the daemon also polls the stub's idle vLLM metrics at 2 Hz, and the
+  proxy asks the stub's ``/tokenize`` for every new prompt, as it does with vLLM);
+* ``nginx``: through nginx (the Debian package) as a plain reverse proxy — one worker
+  process, upstream keep-alive, ``proxy_buffering off`` — a reference for what a
+  reverse proxy costs on this machine;
+* ``kvguard_cached_prompt`` (a diagnostic, no target): the same kvguard, sent one
+  prompt over and over, so its token-count cache answers instead of ``/tokenize``:
+  the difference to ``kvguard`` is what the extra round trip per new prompt costs.
+
+Each round runs every target once, in a rotating order so none is always first; a
+round is, per kind (``json`` whole answers, ``stream`` SSE): a warm-up, an open loop
+at ``RATE`` requests/s (latency), a closed loop at ``CONCURRENCY`` (throughput).
+Latencies of all rounds are pooled; added latency = proxied - direct at the same
+percentile. Throughput is the median over rounds, given as a ratio to ``direct``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from bench.overhead_procs import (
+    PYTHON,
+    ROOT,
+    BenchProcessError,
+    Meter,
+    Proc,
+    start_kvguard,
+    start_nginx,
+    start_stub,
+    wait_http,
+)
+
+RATE = 200.0
+CONCURRENCY = 32
+KINDS = ("json", "stream")
+TARGETS = ("direct", "kvguard", "nginx", "kvguard_cached_prompt")
+
+
+def _percentile(values: list[float], share: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def _client(
+    url: str, *, open_s: float, closed_s: float, warmup_s: float, repeat: bool = False
+) -> dict[str, Any]:
+    argv = [PYTHON, "-m", "bench.overhead_client", "--url", url, "--rate", str(RATE)]
+    if repeat:
+        argv.append("--repeat-prompt")
+    argv += ["--open-s", str(open_s), "--closed-s", str(closed_s)]
+    argv += ["--concurrency", str(CONCURRENCY), "--warmup-s", str(warmup_s)]
+    budget = 2 * (warmup_s + open_s + closed_s) + 60  # generous: its requests time out anyway
+    done = subprocess.run(  # noqa: S603 - our own client, argv without a shell
+        argv, cwd=ROOT, capture_output=True, text=True, timeout=budget, check=False
+    )
+    if done.returncode != 0:
+        raise BenchProcessError(f"client for {url} exited {done.returncode}: {done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def summarize(rounds: list[dict[str, Any]], targets: list[str]) -> dict[str, Any]:
+    """Pooled latency percentiles, median throughput, and each against ``direct``."""
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        per: dict[str, Any] = {}
+        for target in targets:
+            latencies = [
+                ms for r in rounds if target in r for ms in r[target][kind]["open"]["latencies_ms"]
+            ]
+            sent = sum(r[target][kind]["open"]["sent"] for r in rounds if target in r)
+            rps = [
+                r[target][kind]["closed"]["requests_per_s"]
+                for r in rounds
+                if target in r and r[target][kind]["closed"]["requests_per_s"]
+            ]
+            per[target] = {
+                "sent": sent,
+                "ok": len(latencies),
+                "p50_ms": _round(_percentile(latencies, 0.50)),
+                "p90_ms": _round(_percentile(latencies, 0.90)),
+                "p99_ms": _round(_percentile(latencies, 0.99)),
+                "max_ms": _round(max(latencies) if latencies else None),
+                "throughput_rps": _round(statistics.median(rps), 1) if rps else None,
+                "throughput_rps_rounds": rps,
+            }
+        direct = per["direct"]
+        for target in targets:
+            if target == "direct":
+                continue
+            mine = per[target]
+            for q in ("p50", "p99"):
+                a, b = mine[f"{q}_ms"], direct[f"{q}_ms"]
+                mine[f"added_{q}_ms"] = _round(a - b) if a is not None and b is not None else None
+            a, b = mine["throughput_rps"], direct["throughput_rps"]
+            mine["throughput_vs_direct"] = _round(a / b) if a and b else None
+        if "nginx" in per:
+            for target in ("kvguard", "kvguard_cached_prompt"):
+                if target not in per:
+                    continue
+                a, b = per[target]["throughput_rps"], per["nginx"]["throughput_rps"]
+                per[target]["throughput_vs_nginx"] = _round(a / b) if a and b else None
+        out[kind] = per
+    return out
+
+
+def measure_proxy(
+    tmp: Path,
+    *,
+    rounds: int,
+    open_s: float,
+    closed_s: float,
+    warmup_s: float,
+    cached_prompt: bool = True,
+) -> dict[str, Any]:
+    """Every target, ``rounds`` times, with the CPU each proxy used per request.
+
+    ``cached_prompt``: also the ``kvguard_cached_prompt`` diagnostic.
+    """
+    procs: list[Proc] = []
+    nginx_skipped = None
+    try:
+        stub = start_stub(tmp)
+        procs.append(stub)
+        kvguard = start_kvguard(tmp, "kvguard-proxy", stub.url, interval_s=0.5, proxy=True)
+        procs.append(kvguard.proc)
+        assert kvguard.proxy is not None  # noqa: S101 - started with proxy=True
+        wait_http(kvguard.proc, f"{kvguard.proxy}/v1/models")
+        urls = {"direct": stub.url, "kvguard": kvguard.proxy}
+        meters = {"kvguard": Meter(kvguard.proc)}
+        try:
+            nginx = start_nginx(tmp, stub.url)
+            procs.append(nginx)
+            urls["nginx"] = nginx.url
+            meters["nginx"] = Meter(nginx)
+        except BenchProcessError as exc:
+            nginx_skipped = str(exc)
+        if cached_prompt:
+            urls["kvguard_cached_prompt"] = kvguard.proxy
+            meters["kvguard_cached_prompt"] = Meter(kvguard.proc)
+        targets = list(urls)
+        stub_meter = Meter(stub)
+        results: list[dict[str, Any]] = []
+        cpu: dict[str, dict[str, float]] = {t: {"cpu_s": 0.0, "requests": 0} for t in meters}
+        for index in range(rounds):
+            order = targets[index % len(targets) :] + targets[: index % len(targets)]
+            one: dict[str, Any] = {"order": order}
+            for target in order:
+                meter = meters.get(target)
+                if meter is not None:
+                    meter.start()
+                stub_meter.start()
+                one[target] = _client(
+                    urls[target],
+                    open_s=open_s,
+                    closed_s=closed_s,
+                    warmup_s=warmup_s,
+                    repeat=target == "kvguard_cached_prompt",
+                )
+                stub_figures = stub_meter.stop()
+                one[target]["stub_cpu_s"] = stub_figures["cpu_s"]
+                if meter is not None:
+                    figures = meter.stop()
+                    cpu[target]["cpu_s"] += figures["cpu_s"]
+                    cpu[target]["rss_mib"] = figures["rss_mib"]
+                    cpu[target]["requests"] += sum(
+                        one[target][k][loop].get("ok", 0)
+                        for k in KINDS
+                        for loop in ("open", "closed")
+                    )
+            results.append(one)
+        for figures in cpu.values():
+            # Warm-up requests are not counted, so this slightly overstates the cost.
+            requests = figures["requests"]
+            figures["cpu_ms_per_request"] = (
+                round(figures["cpu_s"] * 1000 / requests, 4) if requests else None
+            )
+        return {
+            "rate_per_s": RATE,
+            "concurrency": CONCURRENCY,
+            "rounds": rounds,
+            "open_s": open_s,
+            "closed_s": closed_s,
+            "warmup_s": warmup_s,
+            "targets": targets,
+            "nginx_skipped": nginx_skipped,
+            "nginx_workers": 1,
+            "tokenize_per_request": True,
+            "summary": summarize(results, targets),
+            "proxy_cpu": cpu,
+            "per_round": [_slim(r) for r in results],
+        }
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def _slim(one: dict[str, Any]) -> dict[str, Any]:
+    """A round without its raw latencies: percentiles and throughput per target and kind."""
+    out: dict[str, Any] = {"order": one["order"]}
+    for target, data in one.items():
+        if target == "order":
+            continue
+        out[target] = {"stub_cpu_s": data["stub_cpu_s"]}
+        for kind in KINDS:
+            lat = data[kind]["open"]["latencies_ms"]
+            out[target][kind] = {
+                "p50_ms": _round(_percentile(lat, 0.5)),
+                "p99_ms": _round(_percentile(lat, 0.99)),
+                "open_statuses": data[kind]["open"]["statuses"],
+                "sender_late_ms_max": data[kind]["open"]["sender_late_ms_max"],
+                "throughput_rps": data[kind]["closed"]["requests_per_s"],
+                "closed_statuses": data[kind]["closed"]["statuses"],
+            }
+    return out

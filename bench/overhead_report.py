@@ -1,0 +1,291 @@
+"""The overhead benchmark's result as the Markdown section of docs/benchmarks.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PATH_NAMES = {
+    "direct": "direct to the stub",
+    "kvguard": "through kvguard",
+    "nginx": "through nginx",
+    "kvguard_cached_prompt": "through kvguard, prompt cached (diagnostic)",
+}
+
+
+def _num(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _met(met: bool | None) -> str:
+    return "n/a" if met is None else ("yes" if met else "**no**")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _errors(result: dict[str, Any]) -> list[str]:
+    return [
+        f"- **{name}** was not measured: {result[name]['error']}"
+        for name in ("daemon", "proxy", "scrape", "reaction")
+        if "error" in result.get(name, {})
+    ]
+
+
+def _machine(result: dict[str, Any]) -> list[str]:
+    m = result["machine"]
+    mode = "`python -m bench.overhead --quick`" if result["quick"] else "`python -m bench.overhead`"
+    return [
+        f"Measured {m['date']} with {mode} ({result.get('wall_s', 'n/a')} s) on"
+        f" {m['cpu']}, {m['cores']} cores, Python {m['python']},"
+        f" {m['nginx'] or 'no nginx'}, aiohttp {m['aiohttp']}, kvguard {m['kvguard']}."
+        f" Load average at start {m['loadavg_at_start']}, at end"
+        f" {m.get('loadavg_at_end', 'n/a')}: {m['note']}.",
+        "",
+    ]
+
+
+def _targets(result: dict[str, Any]) -> list[str]:
+    rows = [
+        [t["name"], _num(t["value"], 3), t["target"], _met(t["met"])]
+        for t in result.get("targets", [])
+    ]
+    met = sum(1 for t in result.get("targets", []) if t["met"])
+    return [
+        "### Targets",
+        "",
+        *_table(["figure", "measured", "target", "met"], rows),
+        f"{met} of {len(rows)} targets met.",
+        "",
+    ]
+
+
+def _daemon(result: dict[str, Any]) -> list[str]:
+    daemon = result.get("daemon", {})
+    if "configs" not in daemon:
+        return []
+    rows = [
+        [
+            f"{c['poll_hz']:g} Hz",
+            "idle" if c["proxy"] else "off",
+            _num(c["cpu_percent_of_one_core"], 2, " %"),
+            _num(c["cpu_ms_per_tick"], 2),
+            _num(c["ticks_per_s"], 1),
+            _num(c["rss_mib"], 1),
+            _num(c["rss_peak_mib"], 1),
+        ]
+        for c in daemon["configs"].values()
+    ]
+    return [
+        "### Daemon cost",
+        "",
+        f"Four `kvguard run` processes side by side for {daemon['seconds']:g} s"
+        f" (after {daemon['warmup_s']:g} s of warm-up), watching one idle `kvguard sim-engine`;"
+        " CPU = user + system seconds per wall second (psutil). No GPU: the NVML probe is"
+        " unavailable. The poll interval is the sleep *between* ticks, so the tick rate stays"
+        " below the nominal rate when a tick takes a while.",
+        "",
+        *_table(
+            [
+                "poll",
+                "proxy",
+                "CPU (of one core)",
+                "CPU ms / tick",
+                "ticks / s",
+                "RSS (MiB)",
+                "peak RSS (MiB)",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _proxy(result: dict[str, Any]) -> list[str]:
+    proxy = result.get("proxy", {})
+    if "summary" not in proxy:
+        return []
+    rows = []
+    for kind, per in proxy["summary"].items():
+        for target, s in per.items():
+            rows.append(
+                [
+                    "SSE stream" if kind == "stream" else "whole JSON",
+                    PATH_NAMES.get(target, target),
+                    _num(s["p50_ms"], 2),
+                    _num(s["p99_ms"], 2),
+                    _num(s.get("added_p50_ms"), 2) if target != "direct" else "",
+                    _num(s.get("added_p99_ms"), 2) if target != "direct" else "",
+                    _num(s["throughput_rps"], 0),
+                    _num(s.get("throughput_vs_direct"), 2) if target != "direct" else "1",
+                    _num(s.get("throughput_vs_nginx"), 2) if "throughput_vs_nginx" in s else "",
+                ]
+            )
+    cpu = proxy.get("proxy_cpu", {})
+    per_request = ", ".join(
+        f"{PATH_NAMES.get(t, t)} {_num(c.get('cpu_ms_per_request'), 3)} ms" for t, c in cpu.items()
+    )
+    skipped = (
+        [f"nginx was skipped: {proxy['nginx_skipped']}.", ""] if proxy.get("nginx_skipped") else []
+    )
+    return [
+        "### Proxy cost",
+        "",
+        f"A stub upstream that answers at once; client, stub and each proxy in"
+        f" their own processes. Latency: open loop at {proxy['rate_per_s']:g} requests/s,"
+        f" {proxy['rounds']} round(s) of {proxy['open_s']:g} s per path and kind, pooled;"
+        f" added = proxied - direct at the same percentile. Throughput: closed loop at"
+        f" concurrency {proxy['concurrency']}, median of rounds. nginx runs"
+        f" {proxy['nginx_workers']} worker process (kvguard is one process too), upstream"
+        " keep-alive, `proxy_buffering off`. kvguard asks the upstream's `/tokenize` for"
+        " every new prompt, as with vLLM.",
+        "",
+        *skipped,
+        *_table(
+            [
+                "kind",
+                "path",
+                "p50 ms",
+                "p99 ms",
+                "added p50",
+                "added p99",
+                "req/s",
+                "vs direct",
+                "vs nginx",
+            ],
+            rows,
+        ),
+        f"CPU per request (warm-up excluded from the count): {per_request}.",
+        "",
+    ]
+
+
+def _scrape(result: dict[str, Any]) -> list[str]:
+    scrape = result.get("scrape", {})
+    if "tick" not in scrape:
+        return []
+    tick, parse = scrape["tick"], scrape["parse_only"]
+    return [
+        "### Scrape cost",
+        "",
+        f"kvguard's `EngineProbe` reading `{scrape['fixture']}`"
+        f" ({scrape['bytes']:,} bytes, {scrape['series']:,} series, vLLM data-parallel over"
+        f" {scrape['engines']} engines) from a stub in another process, {scrape['ticks']} ticks.",
+        "",
+        *_table(
+            ["per tick", "p50 ms", "p99 ms", "max ms"],
+            [
+                ["fetch + parse", _num(tick["p50_ms"]), _num(tick["p99_ms"]), _num(tick["max_ms"])],
+                [
+                    "parse only",
+                    _num(parse["p50_ms"]),
+                    _num(parse["p99_ms"]),
+                    _num(parse["max_ms"]),
+                ],
+            ],
+        ),
+    ]
+
+
+def _reaction(result: dict[str, Any]) -> list[str]:
+    reaction = result.get("reaction", {})
+    if "runs" not in reaction:
+        return []
+    rows = []
+    for variant, label in (
+        ("immediate", "`shed_ratio = 0`: shed the class at once"),
+        ("default", "defaults: hold up to `shed_wait_s` for room first"),
+    ):
+        v = reaction.get(variant)
+        if not v or not v["trials"]:
+            continue
+        runs = [r for r in reaction["runs"] if r["variant"] == variant]
+        detect = [
+            r["usage_high_to_high_tick_ms"]
+            for r in runs
+            if r["usage_high_to_high_tick_ms"] is not None
+        ]
+        rows.append(
+            [
+                label,
+                str(v["trials"]),
+                _num(v["reaction_ms_median"], 1),
+                _num(v["reaction_ms_max"], 1),
+                _num(v["from_crossing_tick_ms_median"], 0),
+                _num(v["from_crossing_tick_ms_max"], 0),
+                _num(max(detect), 0) if detect else "n/a",
+            ]
+        )
+    return [
+        "### Reaction",
+        "",
+        f"In one process: kvguard (poll {reaction['poll_interval_s']:g} s, fast"
+        f" poll {reaction['min_interval_s']:g} s near exhaustion) in front of a simulated engine"
+        f" with a {reaction['pool_tokens']:,}-token pool; a `sheddable` probe every"
+        f" {reaction['probe_every_ms']:g} ms, then a burst of long requests. Reaction = first"
+        " 503 - the tick whose decision is `high` or worse (target: one poll interval + 50 ms ="
+        f' {reaction["target_ms"]:g} ms). "From crossing" starts earlier, at the first tick'
+        " whose snapshot was past a `high` threshold: the decision waits `confirm_ticks` before"
+        " it says `high`. The last column is how long after the engine's own KV usage first"
+        " reached 90% the decision said `high`.",
+        "",
+        *_table(
+            [
+                "proxy setting",
+                "trials",
+                "median ms",
+                "worst ms",
+                "from crossing, median ms",
+                "from crossing, worst ms",
+                "engine at 90% -> high, worst ms",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _notes(result: dict[str, Any]) -> list[str]:
+    """Figures from the same run that say where the time goes (no judgement, just numbers)."""
+    notes = []
+    configs = result.get("daemon", {}).get("configs", {})
+    if "2hz" in configs:
+        c = configs["2hz"]
+        notes.append(
+            f"At 2 Hz one tick costs {_num(c['cpu_ms_per_tick'], 2)} ms of CPU"
+            f" ({_num(c['cpu_percent_of_one_core'], 2)} % of a core at"
+            f" {_num(c['ticks_per_s'], 2)} ticks/s)."
+        )
+    scrape = result.get("scrape", {})
+    if "tick" in scrape and scrape["series"]:
+        parse = scrape["parse_only"]["p50_ms"]
+        notes.append(
+            f"Of a {scrape['bytes'] // 1000} KB scrape's {_num(scrape['tick']['p50_ms'])} ms"
+            f" (p50), parsing takes {_num(parse)} ms:"
+            f" {_num(parse * 1000 / scrape['series'], 1)} µs per series."
+        )
+    summary = result.get("proxy", {}).get("summary", {})
+    for kind, per in summary.items():
+        cached, plain = per.get("kvguard_cached_prompt"), per.get("kvguard")
+        if cached and plain:
+            notes.append(
+                f"{'SSE stream' if kind == 'stream' else 'Whole JSON'}: with the prompt's"
+                " token count cached (no `/tokenize` round trip) kvguard's proxy adds"
+                f" {_num(cached.get('added_p50_ms'))} ms at p50 (against"
+                f" {_num(plain.get('added_p50_ms'))} ms) and sustains"
+                f" {_num(cached['throughput_rps'], 0)} req/s (against"
+                f" {_num(plain['throughput_rps'], 0)})."
+            )
+    return ["### Where the time goes", "", "From the same run:", "", *[f"- {n}" for n in notes], ""]
+
+
+def render(result: dict[str, Any]) -> str:
+    """The docs section: targets first, then each measurement's table."""
+    lines = ["## 2. Overhead (`bench/overhead.py`)", "", *_machine(result)]
+    errors = _errors(result)
+    if errors:
+        lines += [*errors, ""]
+    lines += _targets(result)
+    for section in (_daemon, _proxy, _scrape, _reaction, _notes):
+        lines += section(result)
+    return "\n".join(lines).rstrip() + "\n"
