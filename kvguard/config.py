@@ -16,10 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from kvguard.config_fields import (
     Parser,
     argv,
+    blocked_path,
     boolean,
     choice,
     integer,
@@ -54,7 +56,7 @@ CONTROL_TOKEN_MIN_CHARS = 16
 # pause, flush, abort, sleep or describe the engine. kvguard calls them itself, on the
 # engine's own address; through the proxy's public port they would let any client do so.
 ENGINE_ADMIN_PATHS: tuple[str, ...] = (
-    # vLLM (VLLM_SERVER_DEV_MODE=1)
+    # vLLM (VLLM_SERVER_DEV_MODE=1; LoRA with VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     "/pause",
     "/resume",
     "/is_paused",
@@ -69,18 +71,33 @@ ENGINE_ADMIN_PATHS: tuple[str, ...] = (
     "/start_profile",
     "/stop_profile",
     "/server_info",
-    # SGLang
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/scale_elastic_ep",
+    # SGLang (and its /start_profile, /stop_profile above)
     "/flush_cache",
     "/pause_generation",
     "/continue_generation",
     "/abort_request",
     "/get_server_info",
+    "/update_weights",
     "/update_weights_from_disk",
+    "/update_weights_from_distributed",
+    "/update_weights_from_tensor",
+    "/init_weights_update_group",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
     "/release_memory_occupation",
     "/resume_memory_occupation",
     "/configure_logging",
-    # llama.cpp (slot save/restore/erase; GET /slots shows what each slot holds)
+    "/start_expert_distribution_record",
+    "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record",
+    # llama.cpp: slot save/restore/erase (GET /slots shows what each slot holds), LoRA
+    # scales, and POST /props, which changes server settings (GET /props stays open).
     "/slots",
+    "/lora-adapters",
+    "POST /props",
 )
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
@@ -198,6 +215,8 @@ class ProxyConfig:
     listen: str = "127.0.0.1:9000"
     upstream: str | None = None  # default: [engine] url
     priority_header: str = "X-Priority"
+    # False: the header is ignored; only api_key_priorities or default_priority decide.
+    trust_priority_header: bool = True
     default_priority: str = "standard"
     # The keys are secrets: never in a repr (a logged config, a traceback's locals).
     api_key_priorities: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -306,8 +325,9 @@ class Config:
                 "command": _program_only(self.reconfigure.command),
             },
             "webhook": {
-                # Webhook URLs may carry tokens in their query: scheme, host and path only.
-                "urls": [_without_query(u) for u in self.webhook.urls],
+                # Webhook URLs carry tokens in their path (Slack, Teams, Discord) or
+                # query: scheme, host and port only.
+                "urls": [_origin_only(u) for u in self.webhook.urls],
                 "secret_file": self.webhook.secret_file,
                 "secret": "***" if self.webhook.secret is not None else None,
                 "timeout_s": self.webhook.timeout_s,
@@ -323,10 +343,10 @@ def _program_only(argv: tuple[str, ...]) -> list[str]:
     return [argv[0], f"<{len(argv) - 1} more arguments>"] if len(argv) > 1 else [argv[0]]
 
 
-def _without_query(address: str) -> str:
-    scheme, _, rest = address.partition("://")
-    host_path = rest.split("?", 1)[0].split("#", 1)[0]
-    return f"{scheme}://{host_path.rpartition('@')[2]}"
+def _origin_only(address: str) -> str:
+    """``scheme://host[:port]`` of a URL: no userinfo, path, query or fragment."""
+    parts = urlsplit(address)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
 
 
 def _plain(value: object) -> object:
@@ -423,6 +443,7 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "listen": listen,
         "upstream": url,
         "priority_header": text,
+        "trust_priority_header": boolean,
         "default_priority": choice(("critical", "standard", "sheddable")),
         "api_key_priorities": key_map,
         "max_body_bytes": size,
@@ -436,7 +457,7 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "shed_ratio": number(0.0, 1.0, low_open=False),
         "shed_wait_s": number(0.0, 600.0, low_open=False),
         "allowed_paths": list_of(path_prefix),
-        "blocked_paths": list_of(path_prefix),
+        "blocked_paths": list_of(blocked_path),
     },
     "reconfigure": {
         "mode": choice(("auto", "off", "supervisor", "systemd", "command")),

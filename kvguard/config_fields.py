@@ -150,6 +150,25 @@ def path_prefix(name: str, value: object) -> object:
     return value.rstrip("/") or "/"
 
 
+# The methods the proxy forwards; a blocked path may name one of them.
+PATH_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def blocked_path(name: str, value: object) -> object:
+    """A path prefix the proxy refuses: "/slots" (every method) or "POST /props" (one)."""
+    if isinstance(value, str) and " " in value:
+        method, _, prefix = value.partition(" ")
+        if method not in PATH_METHODS:
+            raise InvalidInputError(
+                name,
+                value,
+                f'must be a path like "/slots", or a method ({", ".join(PATH_METHODS)}),'
+                ' one space and a path, like "POST /props"',
+            )
+        return f"{method} {path_prefix(name, prefix)}"
+    return path_prefix(name, value)
+
+
 def listen(name: str, value: object) -> object:
     """A "HOST:PORT" listen address."""
     allowed = 'must be "HOST:PORT", e.g. "127.0.0.1:9108"'

@@ -251,6 +251,7 @@ def make_proxy(config: Config, daemon: Daemon) -> AdmissionProxy:
         upstream=proxy.upstream or config.engine.url,
         listen=proxy.listen,
         priority_header=proxy.priority_header,
+        trust_priority_header=proxy.trust_priority_header,
         default_priority=proxy.default_priority,
         api_key_priorities=proxy.api_key_priorities,
         max_body_bytes=proxy.max_body_bytes,
@@ -262,6 +263,8 @@ def make_proxy(config: Config, daemon: Daemon) -> AdmissionProxy:
         admission_wait_s=proxy.admission_wait_s,
         shed_ratio=proxy.shed_ratio,
         shed_wait_s=proxy.shed_wait_s,
+        allowed_paths=proxy.allowed_paths,
+        blocked_paths=proxy.blocked_paths,
     )
     per_token = budget.budget.kv_bytes_per_token_per_gpu if budget is not None else None
     return AdmissionProxy(settings, daemon.mitigations, bytes_per_token=per_token)

@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvguard.actuators.mitigations import request_priority
+from kvguard.actuators.mitigations import ASYNC_ACTIONS, request_priority
 from kvguard.brain import action_dict
 from kvguard.budget_report import budget_to_dict
 from kvguard.config_fields import is_loopback
@@ -37,6 +37,10 @@ CONTROL_KEPT = 20  # control actions listed in /status
 # The mitigations /control/release lifts from the ladder's memory too, so /status
 # does not show them as active and the ladder re-applies them if pressure persists.
 RELEASED_KINDS = frozenset({"shed", "tighten_window"})
+# A refused /control call logs control_denied at most once per caller per this long
+# (the rest are counted into the next line), for at most this many callers at once.
+DENIED_LOG_INTERVAL_S = 60.0
+DENIED_LOG_CALLERS = 1024
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,27 @@ class ControlRecord:
 
 
 class ControlLog:
-    """The recent control actions, newest last (bounded)."""
+    """The recent control actions, newest last (bounded), and refused calls' log pacing."""
 
     def __init__(self) -> None:
         self.records: deque[ControlRecord] = deque(maxlen=CONTROL_KEPT)
+        # remote -> (when its control_denied was last logged, refusals not logged since)
+        self.denied: dict[str | None, tuple[float, int]] = {}
+
+    def denied_to_log(self, remote: str | None, now: float) -> int | None:
+        """Refusals from ``remote`` not logged before this one, when this one is to be logged.
+
+        None while ``remote`` was logged less than ``DENIED_LOG_INTERVAL_S`` ago (this
+        one is counted instead). The table is bounded: the oldest caller goes first.
+        """
+        last = self.denied.pop(remote, None)
+        if last is not None and now - last[0] < DENIED_LOG_INTERVAL_S:
+            self.denied[remote] = (last[0], last[1] + 1)
+            return None
+        while len(self.denied) >= DENIED_LOG_CALLERS:
+            del self.denied[next(iter(self.denied))]
+        self.denied[remote] = (now, 0)
+        return 0 if last is None else last[1]
 
 
 CONTROL_LOG_KEY = web.AppKey("control_log", ControlLog)
@@ -125,6 +146,16 @@ async def readyz(request: web.Request) -> web.Response:
     source = snapshot.sources.get("engine") if snapshot else None
     if snapshot is None or source is None:
         return web.json_response({"status": "not ready", "reason": "no tick yet"}, status=503)
+    mitigations = daemon.mitigations
+    if mitigations.draining and mitigations.enforcing:
+        # The proxy refuses every generation request until the restart is done.
+        return web.json_response(
+            {
+                "status": "not ready",
+                "reason": "draining for a restart (the fp8 KV switch): route new traffic elsewhere",
+            },
+            status=503,
+        )
     if not source.ok:
         return web.json_response(
             {"status": "not ready", "reason": f"engine unreachable: {source.error}"}, status=503
@@ -176,7 +207,11 @@ def priority_of(daemon: Daemon, headers: Mapping[str, str]) -> str:
     """A request's priority class, by the proxy's rules (API-key map, header, default)."""
     proxy = daemon.config.proxy
     return request_priority(
-        headers, proxy.priority_header, proxy.api_key_priorities, proxy.default_priority
+        headers,
+        proxy.priority_header,
+        proxy.api_key_priorities,
+        proxy.default_priority,
+        trust_header=proxy.trust_priority_header,
     )
 
 
@@ -340,10 +375,16 @@ async def status(request: web.Request) -> web.Response:
     """GET /status (with the recent control actions)."""
     daemon = request.app[DAEMON_KEY]
     doc = status_document(daemon)
+    # /status needs no token: where the token lies and who acted stay in the log.
+    server = doc["config"]["server"]
+    if server.get("control_token_file") is not None:
+        server["control_token_file"] = "***"  # noqa: S105 - a mask, not a password
     recent = list(request.app[CONTROL_LOG_KEY].records)
     doc["control"] = {
         "enabled": daemon.config.server.control_token is not None,
-        "actions": [asdict(r) for r in recent[::-1]],  # newest first
+        "actions": [  # newest first
+            {k: v for k, v in asdict(r).items() if k != "remote"} for r in recent[::-1]
+        ],
     }
     return web.json_response(doc)
 
@@ -407,8 +448,18 @@ def _check_token(request: web.Request, expected: str) -> web.Response | None:
 
 
 def _denied(request: web.Request, reason: str) -> None:
-    # Never the token given: a near miss is most of a secret.
-    log.warning("control_denied", reason=reason, path=request.path, remote=request.remote)
+    # Once per caller per DENIED_LOG_INTERVAL_S: anyone who reaches the port could
+    # otherwise flood the log. Never the token given: a near miss is most of a secret.
+    daemon = request.app[DAEMON_KEY]
+    suppressed = request.app[CONTROL_LOG_KEY].denied_to_log(request.remote, daemon.clock())
+    if suppressed is not None:
+        log.warning(
+            "control_denied",
+            reason=reason,
+            path=request.path,
+            remote=request.remote,
+            suppressed=suppressed,
+        )
 
 
 def _act(request: web.Request, daemon: Daemon, action: str) -> web.Response:
@@ -422,10 +473,16 @@ def _act(request: web.Request, daemon: Daemon, action: str) -> web.Response:
         )
         changed = bool(released)
     else:
+        busy = _switch_in_progress(daemon)
+        if busy is not None:
+            log.warning("control_refused", action=action, reason=busy, remote=request.remote)
+            return _control_error(409, f"/control/{action} refused, nothing changed: {busy}")
         dry_run = action == "dry-run"
         changed = daemon.dry_run != dry_run
         daemon.mitigations.set_enforcing(not dry_run, reason)
         daemon.dry_run = daemon.brain.dry_run = dry_run
+        if changed:
+            _forget_unreal_actions(daemon)
         # Every (action, mode) series from 0 for the new mode: one that appears at its
         # first increment is one increase() cannot see.
         modes = ("dry_run",) if dry_run else ("applied", "started", "not_applied")
@@ -453,6 +510,37 @@ def _act(request: web.Request, daemon: Daemon, action: str) -> web.Response:
     log.warning("control_action", **fields)
     daemon.notify("control_action", fields)
     return web.json_response({**fields, "mitigations": _mitigations(daemon)})
+
+
+def _switch_in_progress(daemon: Daemon) -> str | None:
+    """Why the mode must not change now (the fp8 switch is under way), or None."""
+    actuators = daemon.actuators
+    reconfigurer = actuators.reconfigurer if actuators is not None else None
+    if daemon.mitigations.draining or (reconfigurer is not None and reconfigurer.busy):
+        return (
+            "the fp8 KV switch is draining or restarting the engine; retry when it is done"
+            " (/status -> actions.reconfigure.busy)"
+        )
+    return None
+
+
+def _forget_unreal_actions(daemon: Daemon) -> None:
+    """Align the ladder's memory with what the actuators really did, at a mode switch.
+
+    In dry-run the ladder records ``kv_fp8`` (and marks fp8 on) and the other
+    asynchronous actions without any of them running; kept, they would make the
+    first live ticks revert a switch that never happened. The engine's KV cache is
+    what the reconfigurer says (off without one), and no asynchronous action is in
+    force: the ladder decides them afresh.
+    """
+    actuators = daemon.actuators
+    reconfigurer = actuators.reconfigurer if actuators is not None else None
+    brain = daemon.brain
+    brain.fp8_result(fp8_on=reconfigurer is not None and reconfigurer.fp8)
+    guard = brain.guard
+    brain.guard = replace(
+        guard, active={k: v for k, v in guard.active.items() if k not in ASYNC_ACTIONS}
+    )
 
 
 def _mitigations(daemon: Daemon) -> dict[str, Any]:

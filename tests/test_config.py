@@ -243,6 +243,59 @@ def test_proxy_path_rules_and_their_errors():
         )
 
 
+def test_blocked_paths_may_name_a_method_and_cover_the_engines_admin_endpoints():
+    """A method-bound entry blocks one method; the defaults cover weight and LoRA endpoints."""
+    config = parse_config(
+        {
+            "engine": {"url": "http://127.0.0.1:8000"},
+            "proxy": {"blocked_paths": ["POST /props/", "/slots"], "trust_priority_header": False},
+        },
+        env={},
+    )
+    assert config.proxy.blocked_paths == ("POST /props", "/slots")
+    assert config.proxy.trust_priority_header is False
+    defaults = parse_config({"engine": {"url": "http://127.0.0.1:8000"}}, env={}).proxy
+    assert defaults.trust_priority_header is True
+    for path in (
+        "/v1/load_lora_adapter",
+        "/scale_elastic_ep",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/dump_expert_distribution_record",
+        "/lora-adapters",
+        "POST /props",
+    ):
+        assert path in defaults.blocked_paths, path
+    with pytest.raises(ConfigError) as err:
+        parse_config(
+            {
+                "engine": {"url": "http://127.0.0.1:8000"},
+                "proxy": {"blocked_paths": ["post /props", "TRACE /x", "POST props"]},
+            },
+            env={},
+        )
+    fields = [problem[0] for problem in err.value.problems]
+    assert fields == ["proxy.blocked_paths[0]"]  # the first bad item stops the list
+    assert "POST /props" in str(err.value)
+
+
+def test_webhook_urls_are_shown_as_scheme_host_and_port_only():
+    """Path secrets (Slack, Teams, Discord), userinfo and queries never reach /status."""
+    urls = [
+        "https://hooks.slack.com/services/T0/B0/slack-path-secret",
+        "http://user:pw@127.0.0.1:9/hook/a@b/discord-path-secret?key=q",
+        "https://[::1]:8443/x",
+    ]
+    config = parse_config(
+        {"engine": {"url": "http://127.0.0.1:8000"}, "webhook": {"urls": urls}}, env={}
+    )
+    assert config.redacted()["webhook"]["urls"] == [
+        "https://hooks.slack.com",
+        "http://127.0.0.1:9",
+        "https://[::1]:8443",
+    ]
+
+
 def test_control_token_file_must_be_readable(tmp_path):
     """A missing control token file is a config error naming the key, not a silent 404."""
     with pytest.raises(ConfigError, match=r"server\.control_token_file"):

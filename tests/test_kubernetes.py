@@ -324,6 +324,39 @@ def test_supervisor_runs_vllm_as_kvguard_s_child_with_the_gpus():
     assert "/tmp" in {m["mountPath"] for m in kvguard["volumeMounts"]}  # noqa: S108
 
 
+def test_supervisor_has_a_user_name_a_weights_cache_and_an_optional_hf_token():
+    """UID 65532 has no passwd entry; 70B weights need a PVC, not the 20Gi scratch volume."""
+    objects = rendering("supervisor")
+    spec = objects[("Deployment", "vllm")]["spec"]["template"]["spec"]
+    kvguard = container(objects, "kvguard")
+    env = {e["name"]: e for e in kvguard["env"]}
+    # getpass.getuser() (torch inductor) reads these before the passwd database.
+    assert env["USER"]["value"]
+    assert env["LOGNAME"]["value"]
+    mounts = {m["mountPath"]: m["name"] for m in kvguard["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    cache = volumes[mounts[env["HF_HOME"]["value"]]]
+    claim = objects[("PersistentVolumeClaim", cache["persistentVolumeClaim"]["claimName"])]
+    size = claim["spec"]["resources"]["requests"]["storage"]
+    assert size.endswith("Gi")
+    assert int(size.removesuffix("Gi")) >= 160  # Llama-3.1-70B in bf16 is ~140 GB
+    assert spec["securityContext"]["fsGroup"] == kvguard["securityContext"]["runAsUser"]
+    assert_optional_hf_token(env)
+
+
+def assert_optional_hf_token(env: dict[str, Obj]) -> None:
+    """HF_TOKEN comes from a Secret, optional so public models need none."""
+    ref = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert ref["optional"] is True
+    assert (ref["name"], ref["key"]) == ("hf-token", "token")
+
+
+def test_base_vllm_takes_an_optional_hf_token_for_gated_models():
+    """Llama is gated: the base's vLLM reads HF_TOKEN from an optional Secret."""
+    vllm = container(rendering("base"), "vllm")
+    assert_optional_hf_token({e["name"]: e for e in vllm["env"]})
+
+
 def test_fp8_rollout_gives_kvguard_the_rights_its_script_needs():
     """Command mode: the script sets the env var vLLM's args read; RBAC allows exactly that."""
     objects = rendering("fp8-rollout")
@@ -347,6 +380,44 @@ def test_fp8_rollout_gives_kvguard_the_rights_its_script_needs():
             "verbs": ["get", "patch", "watch"],
         }
     ]
+
+
+SA_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def test_fp8_rollout_mounts_the_api_token_into_kvguard_only():
+    """The token that may patch the Deployment is in kvguard's container, never in vLLM's."""
+    objects = rendering("fp8-rollout")
+    spec = objects[("Deployment", "vllm")]["spec"]["template"]["spec"]
+    # No automount: it would put the token into every container of the pod.
+    assert spec.get("automountServiceAccountToken") is False
+    assert objects[("ServiceAccount", "kvguard")].get("automountServiceAccountToken") is False
+    token_volumes = {
+        v["name"]
+        for v in spec["volumes"]
+        if any("serviceAccountToken" in src for src in v.get("projected", {}).get("sources", []))
+    }
+    assert len(token_volumes) == 1
+    for item in spec["containers"] + spec.get("initContainers", []):
+        mounted = {m["name"]: m for m in item.get("volumeMounts", [])}
+        has_token = bool(token_volumes & set(mounted))
+        assert has_token == (item["name"] == "kvguard"), item["name"]
+    kvguard = container(objects, "kvguard")
+    (mount,) = [m for m in kvguard["volumeMounts"] if m["name"] in token_volumes]
+    # Where kubectl's in-cluster config finds token, ca.crt and namespace.
+    assert (mount["mountPath"], mount["readOnly"]) == (SA_PATH, True)
+    (volume,) = [v for v in spec["volumes"] if v["name"] in token_volumes]
+    paths = set()
+    for source in volume["projected"]["sources"]:
+        for kind in ("configMap", "downwardAPI"):
+            paths |= {i["path"] for i in source.get(kind, {}).get("items", [])}
+        paths |= {source.get("serviceAccountToken", {}).get("path")} - {None}
+    assert paths == {"token", "ca.crt", "namespace"}
+    # kubectl caches discovery under $HOME; the root filesystem is read-only.
+    env = {e["name"]: e.get("value") for e in kvguard["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in kvguard["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert "emptyDir" in volumes[mounts[env["HOME"]]]
 
 
 # ------------------------------------------------------------------ CRDs and generated files

@@ -28,14 +28,25 @@ def rank(priority: str) -> int:
 
 
 def request_priority(
-    headers: Mapping[str, str], header: str, api_keys: Mapping[str, str] | None, default: str
+    headers: Mapping[str, str],
+    header: str,
+    api_keys: Mapping[str, str] | None,
+    default: str,
+    *,
+    trust_header: bool = True,
 ) -> str:
-    """A request's class: its API key's mapping, else the priority header, else ``default``."""
+    """A request's class: its API key's mapping, else the priority header, else ``default``.
+
+    With ``trust_header`` false the header is ignored: any client can send it, and
+    ``critical`` is never shed.
+    """
     auth = headers.get("Authorization", "")
     if api_keys and auth.startswith("Bearer "):
         mapped = api_keys.get(auth.removeprefix("Bearer ").strip())
         if mapped:
             return mapped
+    if not trust_header:
+        return default
     value = headers.get(header, "").strip().lower()
     return value if value in PRIORITIES else default
 

@@ -1,22 +1,25 @@
 """The admission proxy: kvguard in the request path, in front of one engine.
 
 Every request to ``listen`` is forwarded to the one configured upstream — same
-method, path, query, body and headers (hop-by-hop ones excepted), with an
-``X-Request-Id`` added when missing — and the answer comes back unchanged, streams
-chunk by chunk. Generation requests (``/v1/completions``, ``/v1/chat/completions``)
-are also accounted (their KV footprint) and subject to the mitigations in force:
-shed by priority (503 + ``Retry-After``), capped (``max_tokens`` clamped, or 400 when
-even the minimum does not fit), or cancelled when the largest. Health, metrics and
-model-list paths pass untouched. The proxy never talks to any host but its upstream:
-the target is always ``upstream + path``, and redirects are not followed.
+method, path, query, body and headers (hop-by-hop ones excepted, and the client's
+``X-Forwarded-*``/``Forwarded`` replaced by the connection's own address and scheme),
+with an ``X-Request-Id`` added when missing — and the answer comes back unchanged,
+streams chunk by chunk. Generation requests (``/v1/completions``,
+``/v1/chat/completions``) are also accounted (their KV footprint) and subject to the
+mitigations in force: shed by priority (503 + ``Retry-After``), capped
+(``max_tokens`` clamped, or 400 when even the minimum does not fit), or cancelled
+when the largest. Health, metrics and model-list paths pass untouched. The proxy
+never talks to any host but its upstream: the target is always ``upstream + path``,
+and redirects are not followed.
 
 It is no open proxy and forwards nothing malformed: absolute-URI, authority
 (CONNECT) and asterisk request targets, unusual methods, dot segments and encoded
 slashes in paths, control characters in header values, paths outside
 ``allowed_paths`` or inside ``blocked_paths`` (the engines' admin endpoints by
-default), and generation bodies that are not a JSON object or carry a
-``max_tokens`` that is not a positive integer are all answered 4xx, and none of
-them reaches the engine.
+default), variants of a generation path (``/V1/completions``,
+``/v1/completions/``) that would slip past shedding and accounting, and generation
+bodies that are not a JSON object or carry a ``max_tokens`` that is not a positive
+integer are all answered 4xx, and none of them reaches the engine.
 """
 
 from __future__ import annotations
@@ -44,14 +47,19 @@ from kvguard.actuators.accounting import (
 )
 from kvguard.actuators.mitigations import Mitigations, request_priority
 from kvguard.config import ENGINE_ADMIN_PATHS
-from kvguard.config_fields import is_loopback
+from kvguard.config_fields import PATH_METHODS, is_loopback
 
 log = structlog.get_logger("kvguard.proxy")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # What an inference API is called with; TRACE, CONNECT and inventions are refused.
-ALLOWED_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+ALLOWED_METHODS = frozenset(PATH_METHODS)
 # No engine takes more tokens than this (int32); a bigger max_tokens is malformed.
 MAX_TOKENS_LIMIT = 2**31 - 1
+# Set by the proxy itself from the connection: a client's own would let it pose as
+# another address to an engine that trusts X-Forwarded-* from 127.0.0.1 (uvicorn).
+FORWARDING_HEADERS = frozenset(
+    {"forwarded", "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-real-ip"}
+)
 # RFC 9110 section 7.6.1: these describe one connection and must not be forwarded.
 HOP_BY_HOP = frozenset(
     {
@@ -91,6 +99,7 @@ class ProxySettings:
     upstream: str
     listen: str = "127.0.0.1:9000"
     priority_header: str = "X-Priority"
+    trust_priority_header: bool = True  # False: only the API-key map or the default decide
     default_priority: str = "standard"
     api_key_priorities: Mapping[str, str] | None = field(default=None, repr=False)  # secrets
     max_body_bytes: int = 16 * 1024 * 1024
@@ -105,7 +114,8 @@ class ProxySettings:
     # excess is shed. shed_ratio 0 (or an unknown pool) sheds the whole class at once.
     shed_ratio: float = 0.8
     shed_wait_s: float = 2.0
-    # Path prefixes (whole segments, case-insensitive) forwarded, and refused among them.
+    # Path prefixes (whole segments, case-insensitive) forwarded, and refused among them
+    # (a refused entry may name one method: "POST /props").
     allowed_paths: tuple[str, ...] = ("/",)
     blocked_paths: tuple[str, ...] = ENGINE_ADMIN_PATHS
 
@@ -218,7 +228,7 @@ class AdmissionProxy:
             return _error(
                 413, f"request body over {self.settings.max_body_bytes} bytes", "request_too_large"
             )
-        headers = _forward_headers(request.headers)
+        headers = _upstream_headers(request)
         request_id = headers.get("X-Request-Id") or uuid.uuid4().hex
         headers["X-Request-Id"] = request_id
         tracked: InflightRequest | None = None
@@ -449,6 +459,7 @@ class AdmissionProxy:
             settings.priority_header,
             settings.api_key_priorities,
             settings.default_priority,
+            trust_header=settings.trust_priority_header,
         )
 
     async def prompt_tokens(self, payload: dict[str, Any], *, chat: bool) -> int:
@@ -697,6 +708,20 @@ def _forward_headers(incoming: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMu
     return out
 
 
+def _upstream_headers(request: web.Request) -> CIMultiDict[str]:
+    """The headers sent to the engine: the client's, less hop-by-hop and forwarding ones.
+
+    ``X-Forwarded-For`` and ``X-Forwarded-Proto`` are set from the connection itself.
+    """
+    headers = _forward_headers(request.headers)
+    for name in FORWARDING_HEADERS:
+        headers.popall(name, None)
+    if request.remote:
+        headers["X-Forwarded-For"] = request.remote
+    headers["X-Forwarded-Proto"] = request.scheme
+    return headers
+
+
 def screen_request(request: web.Request, settings: ProxySettings) -> tuple[int, str, str] | None:
     """Why ``request`` must not be forwarded, as (status, reason, message); None if it may."""
     if request.method not in ALLOWED_METHODS:
@@ -730,23 +755,43 @@ def screen_request(request: web.Request, settings: ProxySettings) -> tuple[int, 
     path_problem = _path_problem(raw, request.path)
     if path_problem is not None:
         return 400, "bad_path", path_problem
-    normal = "/" + "/".join(part for part in request.path.lower().split("/") if part)
+    normal = normal_path(request.path)
     if not any(_under(normal, prefix) for prefix in settings.allowed_paths):
         return (
             404,
             "path_not_allowed",
             (f"{_shown(request.path)} is not forwarded to the engine ([proxy] allowed_paths)"),
         )
-    if any(_under(normal, prefix) for prefix in settings.blocked_paths):
+    if any(_blocks(entry, request.method, normal) for entry in settings.blocked_paths):
         return (
             403,
             "path_blocked",
             (
-                f"{_shown(request.path)} is an engine admin endpoint and is not served through"
-                " the proxy ([proxy] blocked_paths); call it on the engine's own address"
+                f"{request.method} {_shown(request.path)} is an engine admin endpoint and is not"
+                " served through the proxy ([proxy] blocked_paths); call it on the engine's"
+                " own address"
             ),
         )
+    if normal in GENERATION_PATHS and request.path != normal:
+        # Shedding, capping and accounting key on the exact path: a variant the engine
+        # would redirect or 404 anyway must not slip past them.
+        return (
+            400,
+            "bad_path",
+            f"{_shown(request.path)} is not a generation path: write it as {normal}",
+        )
     return None
+
+
+def normal_path(path: str) -> str:
+    """``path`` lower-cased, repeated and trailing slashes collapsed: what rules match."""
+    return "/" + "/".join(part for part in path.lower().split("/") if part)
+
+
+def _blocks(entry: str, method: str, path: str) -> bool:
+    """Whether a ``blocked_paths`` entry ("/slots" or "POST /props") covers the request."""
+    only, _, prefix = entry.rpartition(" ")
+    return (not only or only == method) and _under(path, prefix)
 
 
 def _under(path: str, prefix: str) -> bool:

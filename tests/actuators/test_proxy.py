@@ -11,10 +11,15 @@ import socket
 import aiohttp
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import HELD_POOLS, AdmissionProxy, ProxySettings, _error
+from kvguard.config import parse_config
+from kvguard.daemon import Daemon, Probes
+from kvguard.daemon_cli import make_proxy
 from kvguard.model.policy import Action
+from kvguard.probes.engine import EngineProbe
 
 
 def free_port() -> int:
@@ -599,3 +604,158 @@ async def test_engine_admin_paths_and_allowed_paths(echo, proxy_to):
         async with http.post(f"{opened}/reset_prefix_cache") as resp:
             assert resp.status == 418  # an operator who wants them through says so
     assert [s["path"] for s in seen] == ["/v1/models", "/reset_prefix_cache"]
+
+
+ADMIN_PATHS_ADDED = [
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/scale_elastic_ep",
+    "/update_weights",
+    "/update_weights_from_disk",
+    "/update_weights_from_distributed",
+    "/update_weights_from_tensor",
+    "/init_weights_update_group",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+    "/start_profile",
+    "/stop_profile",
+    "/start_expert_distribution_record",
+    "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record",
+    "/lora-adapters",
+    "/slots/0?action=erase",
+]
+
+
+async def test_weight_lora_profile_and_settings_endpoints_are_blocked_by_default(echo, proxy_to):
+    """vLLM, SGLang and llama.cpp endpoints that swap weights or change settings: 403.
+
+    ``POST /props`` changes llama.cpp's settings and is refused; ``GET /props`` (what
+    clients read the chat template and context size from) still passes.
+    """
+    upstream, seen, _ = echo
+    proxy, _ = await proxy_to(upstream)
+    async with aiohttp.ClientSession() as http:
+        for path in ADMIN_PATHS_ADDED:
+            async with http.post(f"{proxy}{path}") as resp:
+                assert resp.status == 403, path
+        async with http.post(f"{proxy}/props", json={"n_ctx": 1}) as resp:
+            assert resp.status == 403
+            assert "POST '/props'" in (await resp.json())["error"]["message"]
+        assert seen == []
+        async with http.get(f"{proxy}/props") as resp:
+            assert resp.status == 418  # forwarded
+    assert [(s["method"], s["path"]) for s in seen] == [("GET", "/props")]
+
+
+async def test_make_proxy_uses_the_configured_path_rules(echo, serve):
+    """[proxy] allowed_paths and blocked_paths from the config file reach the running proxy."""
+    upstream, seen, _ = echo
+    config = parse_config(
+        {
+            "engine": {"url": upstream},
+            "proxy": {
+                "enabled": True,
+                "allowed_paths": ["/v1", "/health"],
+                "blocked_paths": ["/v1/embeddings", "DELETE /v1/models"],
+                "trust_priority_header": False,
+            },
+        },
+        env={},
+    )
+    daemon = Daemon(
+        config, probes=Probes(engine=EngineProbe(upstream, timeout_s=2.0), nvml=None, host=None)
+    )
+    proxy = make_proxy(config, daemon)
+    front = await serve(proxy.app(), cancel=True)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{front}/metrics") as resp:
+            assert resp.status == 404  # outside allowed_paths
+        async with http.post(f"{front}/v1/embeddings", json={}) as resp:
+            assert resp.status == 403  # inside blocked_paths
+        async with http.delete(f"{front}/v1/models") as resp:
+            assert resp.status == 403  # the method-bound entry
+        assert seen == []
+        async with http.get(f"{front}/v1/models") as resp:
+            assert resp.status == 418  # forwarded
+        async with http.post(f"{front}/reset_prefix_cache") as resp:
+            assert resp.status == 404  # the configured lists replace the defaults
+    assert proxy.settings.trust_priority_header is False
+    assert [s["path"] for s in seen] == ["/v1/models"]
+    await daemon.close()
+
+
+async def test_an_untrusted_priority_header_is_ignored(sim_engine, proxy_to):
+    """trust_priority_header = false: X-Priority: critical is shed like the default class."""
+    upstream = await sim_engine(kv_capacity_tokens=8192, max_model_len=2048)
+    mitigations = Mitigations(shed_floor="standard", level="critical")
+    trusting, _ = await proxy_to(upstream, mitigations, shed_ratio=0.0)
+    strict, _ = await proxy_to(
+        upstream,
+        mitigations,
+        shed_ratio=0.0,
+        trust_priority_header=False,
+        api_key_priorities={"ops-key": "critical"},
+    )
+    critical = {"X-Priority": "critical"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            f"{trusting}/v1/completions", json=completion(5, 3), headers=critical
+        ) as resp:
+            assert resp.status == 200
+        async with http.post(
+            f"{strict}/v1/completions", json=completion(5, 3), headers=critical
+        ) as resp:
+            assert resp.status == 503
+        async with http.post(
+            f"{strict}/v1/completions",
+            json=completion(5, 3),
+            headers={"Authorization": "Bearer ops-key"},
+        ) as resp:
+            assert resp.status == 200  # the API-key map still decides
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/V1/completions", "/v1/completions/", "//v1/completions", "/v1//chat/completions/"],
+)
+async def test_generation_path_variants_are_refused_not_forwarded_unshed(echo, proxy_to, path):
+    """A variant of a generation path would skip shedding, capping and accounting: 400."""
+    upstream, seen, _ = echo
+    mitigations = Mitigations(shed_floor="critical", level="critical", max_tokens=8)
+    proxy, state = await proxy_to(upstream, mitigations, shed_ratio=0.0)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            URL(f"{proxy}{path}", encoded=True), json={"prompt": "hi", "max_tokens": 500}
+        ) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+            assert error["code"] == "bad_path"
+            assert "write it as /v1/" in error["message"]
+        async with http.post(f"{proxy}/v1/completions", json={"prompt": "hi"}) as resp:
+            assert resp.status == 503  # the canonical path is shed
+    assert seen == []
+    assert state.counters.rejected["bad_path"] == 1
+
+
+async def test_forwarding_headers_come_from_the_connection(echo, proxy_to):
+    """The client's X-Forwarded-* and Forwarded are dropped; the proxy sets its own."""
+    upstream, seen, _ = echo
+    proxy, _ = await proxy_to(upstream)
+    spoofed = {
+        "X-Forwarded-For": "10.9.8.7",
+        "X-Forwarded-Proto": "https",
+        "X-Forwarded-Host": "admin.internal",
+        "Forwarded": "for=10.9.8.7;proto=https",
+        "X-Real-IP": "10.9.8.7",
+    }
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"{proxy}/v1/models", headers=spoofed) as resp,
+    ):
+        assert resp.status == 418
+    headers = seen[0]["headers"]
+    assert headers.getall("X-Forwarded-For") == ["127.0.0.1"]
+    assert headers.getall("X-Forwarded-Proto") == ["http"]
+    for gone in ("Forwarded", "X-Forwarded-Host", "X-Real-IP"):
+        assert gone not in headers, gone

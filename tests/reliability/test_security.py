@@ -25,16 +25,18 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from kvguard.actuators.dispatch import Actuators
+from kvguard.actuators.drain import ProxyDrain
 from kvguard.actuators.engine_admin import EngineAdmin
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
+from kvguard.actuators.reconfigure import CommandRestarter, Reconfigurer
 from kvguard.config import CONTROL_TOKEN_ENV, Config, parse_config
 from kvguard.daemon import Daemon, Probes
 from kvguard.errors import ConfigError
 from kvguard.model.policy import Action, GuardState
 from kvguard.probes.engine import EngineProbe
-from kvguard.server import build_app
-from kvguard.telemetry import configure_logging
+from kvguard.server import DENIED_LOG_CALLERS, ControlLog, build_app
+from kvguard.telemetry import configure_logging, daemon_registry
 
 TOKEN = "ctl-0123456789abcdef-planted"  # planted: must never appear in logs or /status
 UNIT = Path(__file__).parents[2] / "systemd" / "kvguard.service"
@@ -201,9 +203,150 @@ async def test_dry_run_live_and_release_act_and_show_in_status(guarded, serve):
     assert doc["control"]["enabled"] is True
     assert [a["action"] for a in actions] == ["release", "live", "dry-run", "dry-run"]
     assert actions[0]["released"] == ["shed", "tighten_window"]
-    assert actions[0]["remote"] == "127.0.0.1"
-    # A switch at run time counts its decisions under the new mode from 0.
-    assert daemon.brain.counts[("shed", "dry_run")] == 0
+    # Who acted is in the log only: /status needs no token.
+    assert all("remote" not in a for a in actions)
+    # A switch at run time exports its decisions under the new mode from 0 (a Counter
+    # reads 0 for any key: the exported sample is what must exist).
+    registry = daemon_registry(daemon)
+    for mode in ("dry_run", "applied"):
+        sample = registry.get_sample_value(
+            "kvguard_decisions_total", {"action": "shed", "mode": mode}
+        )
+        assert sample == 0.0, mode
+
+
+def fp8_switch(daemon: Daemon) -> Reconfigurer:
+    """Actuators with an fp8 switch (a no-op restart command) attached to ``daemon``."""
+    url = daemon.config.engine.url
+    proxy = AdmissionProxy(ProxySettings(upstream=url), daemon.mitigations)
+    reconfigurer = Reconfigurer(
+        CommandRestarter(["true"], "vllm"),
+        ProxyDrain(proxy, daemon.mitigations),
+        engine_stats=EngineProbe(url, timeout_s=2.0).sample,
+    )
+    actuators = Actuators(
+        lambda _kind: (None, reconfigurer),
+        on_fp8=lambda on: daemon.brain.fp8_result(fp8_on=on),
+    )
+    actuators.set_kind("vllm")
+    daemon.actuators = actuators
+    return reconfigurer
+
+
+@pytest.mark.parametrize("engine_fp8", [False, True])
+async def test_going_live_forgets_what_dry_run_only_recorded(guarded, engine_fp8):
+    """After dry-run the ladder's fp8 state is the engine's real one, and no async action stays.
+
+    In dry-run the ladder's kv_fp8 marks fp8 on without any switch: kept, the first live
+    ticks would start a real revert_kv_fp8 of an engine that never changed.
+    """
+    api, daemon = await guarded()
+    reconfigurer = fp8_switch(daemon)
+    reconfigurer.fp8 = engine_fp8
+    async with aiohttp.ClientSession() as http:
+        status, _, _ = await call(http, "POST", f"{api}/control/dry-run", token=TOKEN)
+        assert status == 200
+        recorded = [
+            Action("shed", "test", priority="standard"),
+            Action("kv_fp8", "test"),
+            Action("evict", "test"),
+        ]
+        daemon.brain.guard = GuardState(
+            level="critical", fp8_on=True, active={a.kind: a for a in recorded}
+        )
+        status, _, _ = await call(http, "POST", f"{api}/control/live", token=TOKEN)
+        assert status == 200
+    guard = daemon.brain.guard
+    assert guard.fp8_on is engine_fp8
+    assert set(guard.active) == {"shed"}  # in force through the proxy: kept
+
+
+async def test_mode_switches_are_refused_during_an_fp8_drain(guarded):
+    """While the fp8 switch drains or restarts, dry-run and live answer 409 and change nothing."""
+    api, daemon = await guarded()
+    reconfigurer = fp8_switch(daemon)
+    async with aiohttp.ClientSession() as http:
+        for busy, draining in ((True, False), (False, True)):
+            reconfigurer.busy, daemon.mitigations.draining = busy, draining
+            for action in ("dry-run", "live"):
+                with capture_logs() as logs:
+                    status, _, body = await call(
+                        http, "POST", f"{api}/control/{action}", token=TOKEN
+                    )
+                assert status == 409, (action, busy, draining)
+                assert "fp8 KV switch" in body["error"]
+                assert [e["event"] for e in logs] == ["control_refused"]
+                assert daemon.mitigations.enforcing
+                assert daemon.dry_run is False
+        reconfigurer.busy = daemon.mitigations.draining = False
+        status, _, _ = await call(http, "POST", f"{api}/control/dry-run", token=TOKEN)
+        assert status == 200
+        _, _, doc = await call(http, "GET", f"{api}/status")
+    assert [a["action"] for a in doc["control"]["actions"]] == ["dry-run"]
+
+
+async def test_refused_control_calls_are_logged_once_a_minute_per_caller(sim_engine, serve):
+    """A flood of bad tokens logs one control_denied per caller per 60 s, with a count."""
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    now = [1000.0]
+    config = parse_config({"engine": {"url": url}}, env={CONTROL_TOKEN_ENV: TOKEN})
+    daemon = Daemon(
+        config,
+        probes=Probes(engine=EngineProbe(url, timeout_s=2.0), nvml=None, host=None),
+        clock=lambda: now[0],
+    )
+    api = await serve(build_app(daemon))
+    async with aiohttp.ClientSession() as http:
+        with capture_logs() as logs:
+            for _ in range(5):
+                status, _, _ = await call(http, "POST", f"{api}/control/live", token="wrong")
+                assert status == 403
+            now[0] += 61
+            await call(http, "POST", f"{api}/control/live")
+    denied = [e for e in logs if e["event"] == "control_denied"]
+    assert [(e["reason"], e["suppressed"]) for e in denied] == [
+        ("wrong token", 0),
+        ("no bearer token", 4),
+    ]
+    assert all(e["log_level"] == "warning" for e in denied)
+    await daemon.close()
+
+
+def test_the_refusal_log_table_is_bounded():
+    """However many callers, the pacing table holds at most DENIED_LOG_CALLERS of them."""
+    control = ControlLog()
+    for i in range(DENIED_LOG_CALLERS * 3):
+        assert control.denied_to_log(f"10.0.{i // 256}.{i % 256}", 5.0) == 0
+    assert len(control.denied) == DENIED_LOG_CALLERS
+    assert control.denied_to_log("10.0.11.255", 6.0) is None  # the newest are kept
+
+
+async def test_readyz_fails_while_the_fp8_switch_drains(guarded):
+    """The proxy refuses every generation request during a drain: the pod must leave the Service."""
+    api, daemon = await guarded()
+    await daemon.tick()
+    async with aiohttp.ClientSession() as http:
+        status, _, body = await call(http, "GET", f"{api}/readyz")
+        assert (status, body["status"]) == (200, "ready")
+        daemon.mitigations.draining = True
+        status, _, body = await call(http, "GET", f"{api}/readyz")
+        assert status == 503
+        assert "draining" in body["reason"]
+        daemon.mitigations.enforcing = False  # dry-run: the proxy refuses nothing
+        status, _, _ = await call(http, "GET", f"{api}/readyz")
+        assert status == 200
+
+
+async def test_admission_ignores_an_untrusted_priority_header(guarded):
+    """With trust_priority_header = false, /admission sheds X-Priority: critical like the rest."""
+    critical = {"X-Priority": "critical"}
+    for trust, expected in ((True, 200), (False, 429)):
+        api, daemon = await guarded(proxy={"trust_priority_header": trust})
+        daemon.mitigations.shed_floor = "standard"
+        async with aiohttp.ClientSession() as http:
+            status, _, body = await call(http, "GET", f"{api}/admission", headers=critical)
+        assert status == expected, trust
+        assert body["priority"] == ("critical" if trust else "standard")
 
 
 async def test_release_and_dry_run_resume_an_engine_kvguard_paused(guarded):
@@ -266,6 +409,8 @@ async def test_secrets_never_reach_status_or_logs(tmp_path, sim_engine, serve, c
         "engine": "engine-token-planted-4242",
         "webhook": "webhook-secret-planted-4343",
         "api_key": "sk-apikey-planted-4444",
+        "webhook_path": "slackpath-planted-4545",  # Slack, Teams, Discord: in the path
+        "webhook_at_path": "atpath-planted-4646",  # an '@' in the path, not userinfo
     }
     (tmp_path / "control.token").write_text(secrets["control"] + "\n")
     (tmp_path / "engine.token").write_text(secrets["engine"])
@@ -275,7 +420,14 @@ async def test_secrets_never_reach_status_or_logs(tmp_path, sim_engine, serve, c
         {
             "engine": {"url": url, "token_file": "engine.token"},
             "server": {"control_token_file": "control.token"},
-            "webhook": {"urls": ["http://127.0.0.1:9/hook?key=x"], "secret_file": "hook.secret"},
+            "webhook": {
+                "urls": [
+                    "http://127.0.0.1:9/hook?key=x",
+                    f"https://hooks.slack.com/services/T0/B0/{secrets['webhook_path']}",
+                    f"http://127.0.0.1:9/a@b/{secrets['webhook_at_path']}",
+                ],
+                "secret_file": "hook.secret",
+            },
             "proxy": {"api_key_priorities": {secrets["api_key"]: "sheddable"}},
         },
         source=str(tmp_path / "kvguard.toml"),
@@ -310,7 +462,15 @@ async def test_secrets_never_reach_status_or_logs(tmp_path, sim_engine, serve, c
             pieces = {secret[i : i + 12] for i in range(len(secret) - 11)}
             leaked = [p for p in pieces if p in text]
             assert not leaked, f"{name} secret in {where}: {leaked}"
-    assert json.loads(status_text)["config"]["server"]["control_token"] == "***"
+    shown = json.loads(status_text)
+    assert shown["config"]["server"]["control_token"] == "***"
+    assert shown["config"]["server"]["control_token_file"] == "***"  # where it lies: log only
+    assert "control.token" not in status_text
+    assert shown["config"]["webhook"]["urls"] == [
+        "http://127.0.0.1:9",
+        "https://hooks.slack.com",
+        "http://127.0.0.1:9",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -470,6 +630,33 @@ async def test_malformed_or_foreign_requests_never_reach_the_upstream(
     status, _ = await raw_exchange(front, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
     assert status == 200
     assert [s["target"] for s in seen] == ["/v1/models"]
+
+
+@pytest.mark.parametrize(
+    ("value", "ours"),
+    [(b"a\x00b", False), (b"a\x01b", False), (b"a\x7fb", False), (b"\xff\xfe", True)],
+    ids=["nul", "soh", "del", "not-utf8"],
+)
+async def test_who_refuses_a_bad_header_value(recorder, serve, value, ours):
+    """Control characters: the HTTP parser's plain-text 400; non-UTF-8: kvguard's screen.
+
+    As docs/proxy.md says: only bytes that are not UTF-8 reach kvguard's screen (JSON,
+    counted as bad_header); the parser's own 400 is plain text and not counted.
+    """
+    upstream, seen = recorder
+    proxy = AdmissionProxy(ProxySettings(upstream=upstream), Mitigations())
+    front = await serve(proxy.app())
+    raw = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: " + value + b"\r\n\r\n"
+    status, answer = await raw_exchange(front, raw)
+    assert status == 400
+    body = answer.split(b"\r\n\r\n", 1)[1]
+    if ours:
+        assert json.loads(body)["error"]["code"] == "bad_header"
+        assert proxy.counters.rejected == {"bad_header": 1}
+    else:
+        assert not body.startswith(b"{")
+        assert proxy.counters.rejected == {}
+    assert seen == []
 
 
 async def test_host_and_hop_by_hop_headers_never_pass(recorder, serve):
