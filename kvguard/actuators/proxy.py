@@ -266,7 +266,11 @@ class AdmissionProxy:
         max_tokens = (
             requested if isinstance(requested, int) and not isinstance(requested, bool) else None
         )
-        prompt_cap, completion_cap = self.mitigations.window
+        # Critical requests are never refused for their size: a refusal loses them as
+        # surely as a shed would, and critical traffic is never shed.
+        prompt_cap, completion_cap = (
+            (None, None) if priority == "critical" else self.mitigations.window
+        )
         if prompt_cap is not None and prompt > prompt_cap:
             self.counters.rejected["prompt_over_window"] += 1
             return _error(
@@ -612,6 +616,12 @@ class AdmissionProxy:
                     await _stream_error(response, message, code=code)
                 elif streaming:
                     await _stream_error(response, f"the engine stream broke: {type(exc).__name__}")
+            if not streaming:
+                # The status and Content-Length are sent and the body cannot be finished:
+                # cut the connection, or the client waits for bytes that never come.
+                self.counters.upstream_errors["502"] += 1
+                if request.transport is not None:
+                    request.transport.abort()
             return response
         if tracked is not None and not streaming:
             _count_usage(tracked, bytes(kept))

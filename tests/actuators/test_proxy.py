@@ -258,6 +258,26 @@ async def test_window_clamps_and_rejects(sim_engine, proxy_to):
     assert state.counters.rejected == {"prompt_over_window": 1, "no_room_for_completion": 1}
 
 
+async def test_window_caps_never_touch_critical_requests(sim_engine, proxy_to):
+    """A refusal would lose a critical request as surely as a shed: it passes as sent."""
+    upstream = await sim_engine(kv_capacity_tokens=8192, max_model_len=2048)
+    mitigations = Mitigations(max_prompt_tokens=100, max_tokens=100)
+    proxy, state = await proxy_to(upstream, mitigations)
+    critical = {"X-Priority": "critical"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            f"{proxy}/v1/completions", json=completion(150, 300), headers=critical
+        ) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["usage"]["completion_tokens"] == 300
+        async with http.post(
+            f"{proxy}/v1/completions", json=completion(150, 300), headers={"X-Priority": "standard"}
+        ) as resp:
+            assert resp.status == 400  # the same request, standard: over the window
+    assert state.counters.clamped == 0
+    assert state.counters.rejected == {"prompt_over_window": 1}
+
+
 async def test_dry_run_blocks_and_changes_nothing(sim_engine, proxy_to):
     """Not enforcing: the same floor and caps let everything through unchanged."""
     upstream = await sim_engine(kv_capacity_tokens=8192, max_model_len=2048)

@@ -363,12 +363,6 @@ async def test_a_connection_closed_before_any_answer_is_a_502(raw, proxied):
     assert len(proxy.inflight) == 0
 
 
-@pytest.mark.xfail(
-    reason="proxy.py keeps the client connection open after the upstream body breaks:"
-    " the client waits for bytes that never come (reported; fix: abort the client"
-    " transport in _relay's non-streaming error branch)",
-    raises=TimeoutError,
-)
 async def test_a_whole_answer_cut_short_breaks_the_clients_body_at_once(raw, proxied):
     """A non-streamed answer cut mid-body reaches the client as a broken body, at once.
 
