@@ -29,6 +29,19 @@ from kvguard.model.policy import LEVELS
 from kvguard.telemetry_actions import actuator_metrics
 
 BUDGET_COMPONENTS = ("weights", "kv_pool", "activations", "overhead", "headroom")
+# Every reason the proxy counts a refusal under (kvguard.actuators.proxy), exported as
+# 0 from the start so that increase() sees the first refusal of each.
+REJECT_REASONS = (
+    "prompt_over_window",  # 400: the window cap
+    "no_room_for_completion",  # 400: the window cap
+    "invalid_body",  # 400: a generation request whose body is not a valid one
+    "method_not_allowed",  # 405
+    "bad_target",  # 400: an absolute-URI or asterisk target
+    "bad_header",  # 400: a control character or non-UTF-8 bytes in a header value
+    "bad_path",  # 400: a path an engine could read as another one
+    "path_not_allowed",  # 404: outside [proxy] allowed_paths
+    "path_blocked",  # 403: an engine admin path ([proxy] blocked_paths)
+)
 
 
 class DaemonCollector(Collector):
@@ -344,9 +357,10 @@ class DaemonCollector(Collector):
         )
         yield counter_family(
             "kvguard_requests_rejected",
-            "Requests refused by the window cap.",
+            "Requests the proxy refused with a 4xx of its own: over the window cap, or"
+            " malformed or not forwardable; reason says which.",
             ["reason"],
-            counters.rejected,
+            {**dict.fromkeys(REJECT_REASONS, 0), **counters.rejected},
         )
         yield counter_family(
             "kvguard_requests_cancelled",

@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 import pytest
 from structlog.testing import capture_logs
 
+from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.config import parse_config
 from kvguard.daemon import Daemon, Probes
 from kvguard.errors import KvguardError, ProbeError
 from kvguard.model.snapshot import EngineStats, GpuMemory, HostStats
 from kvguard.model.units import GiB
+from kvguard.telemetry import REJECT_REASONS, daemon_registry
 
 
 class Clock:
@@ -169,6 +171,50 @@ async def test_polls_faster_when_headroom_is_small(usage, free, expected):
     assert daemon.next_interval() == expected
 
 
+async def test_polls_fast_while_an_escalation_waits_for_confirmation():
+    """A pending escalation ticks at min_interval: confirm_ticks take 3 x 0.1 s, not 3 x 0.5 s."""
+    stats = engine_stats(
+        kv_cache_usage_ratio=0.85, kv_capacity_tokens=4000, kv_used_tokens=3400
+    )  # 0.85: elevated, < 0.9
+    daemon, _, clock = make(engine=stats)
+    intervals, levels = [], []
+    for _ in range(4):
+        await daemon.tick()
+        levels.append(daemon.brain.decision.level)
+        intervals.append(daemon.next_interval())
+        clock.now += intervals[-1]
+    assert levels == ["ok", "ok", "elevated", "elevated"]
+    assert intervals == [0.1, 0.1, 0.5, 0.5]  # fast while pending, back to normal once entered
+
+
+@pytest.mark.parametrize(("tick_s", "waits"), [(0.03, [0.02, 0.02, 0.02]), (0.08, [0.0, 0.0, 0.0])])
+async def test_run_waits_the_interval_less_the_tick(tick_s, waits):
+    """Ticks start interval_s apart: the wait is what the tick left of it, never negative."""
+    daemon, _, clock = make(
+        {"poll": {"interval_s": 0.05, "min_interval_s": 0.05, "timeout_s": 0.2}}
+    )
+    stop = asyncio.Event()
+    real_tick, real_wait = daemon.tick, daemon._wait
+    seen: list[float] = []
+
+    async def slow_tick():
+        snapshot = await real_tick()
+        clock.now += tick_s
+        return snapshot
+
+    async def wait(stop_event, seconds):
+        seen.append(round(seconds, 9))
+        if len(seen) == len(waits):
+            stop_event.set()
+        await real_wait(stop_event, seconds)
+
+    daemon.tick = slow_tick  # type: ignore[method-assign]
+    daemon._wait = wait  # type: ignore[method-assign]
+    await asyncio.wait_for(daemon.run(stop), 5)
+    assert seen == waits
+    assert daemon.state.ticks_total == len(waits)
+
+
 async def test_run_ticks_until_stopped_and_finishes_the_tick():
     """run() ticks, calls after_tick each time, and returns once stop is set."""
     daemon, _, _ = make({"poll": {"interval_s": 0.01, "min_interval_s": 0.01, "timeout_s": 0.2}})
@@ -255,3 +301,18 @@ def test_engine_pid_selects_gpus_only_without_an_explicit_selection():
     pid_only = parse_config({"engine": {"url": "http://h:1", "pid": 42}}, env={})
     assert Probes.from_config(both).nvml.selector.pids == ()  # type: ignore[union-attr]
     assert Probes.from_config(pid_only).nvml.selector.pids == (42,)  # type: ignore[union-attr]
+
+
+async def test_every_refusal_reason_is_exported_from_zero():
+    """kvguard_requests_rejected_total has every reason at 0 before the first refusal."""
+    daemon, _, _ = make()
+    daemon.proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:1"), daemon.mitigations)
+    daemon.proxy.counters.rejected["bad_path"] += 2
+    registry = daemon_registry(daemon)
+    for reason in REJECT_REASONS:
+        value = registry.get_sample_value("kvguard_requests_rejected_total", {"reason": reason})
+        assert value == (2.0 if reason == "bad_path" else 0.0), reason
+    help_text = next(
+        m.documentation for m in registry.collect() if m.name == "kvguard_requests_rejected"
+    )
+    assert "malformed" in help_text

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from kvguard.telemetry import REJECT_REASONS
 from tests.test_run import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -326,3 +327,18 @@ def test_every_expression_parses_in_prometheus(prometheus_port, where, expr):
     )
     assert status == 200, f"{where}: {body.get('errorType')}: {body.get('error')}\n{promql}"
     assert body["status"] == "success"
+
+
+def test_rejected_reasons_are_the_proxys_and_are_documented():
+    """kvguard_requests_rejected_total's reasons: each one the proxy counts, each in metrics.md."""
+    proxy = (ROOT / "kvguard" / "actuators" / "proxy.py").read_text(encoding="utf-8")
+    counted = set(re.findall(r'rejected\["([a-z_]+)"\]', proxy))  # counted where refused
+    screened = set(
+        re.findall(r'\b4\d\d,\s+"([a-z_]+)"', proxy)
+    )  # screen_request's (status, reason)
+    assert screened, "screen_request's refusals not found: update this test's pattern"
+    assert set(REJECT_REASONS) == counted | screened
+    text = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
+    row = next(line for line in text.splitlines() if "`kvguard_requests_rejected_total`" in line)
+    assert all(f"`{reason}`" in row for reason in REJECT_REASONS)
+    assert "window cap |" not in row  # the old, narrower meaning

@@ -340,10 +340,12 @@ def proxy_row() -> list[Json]:
         timeseries(
             "Requests clamped, rejected and cancelled",
             "Per second: requests whose max_tokens the window cap lowered "
-            "(kvguard_requests_clamped_total), answered 400 by the cap by reason "
-            "(kvguard_requests_rejected_total), and cancelled by reason "
-            "(kvguard_requests_cancelled_total: largest to free KV, drain). These "
-            "counters have no priority label.",
+            "(kvguard_requests_clamped_total), refused with a 4xx by reason "
+            "(kvguard_requests_rejected_total: the window cap's prompt_over_window and "
+            "no_room_for_completion; malformed or not forwardable: invalid_body, "
+            "bad_target, bad_header, bad_path, method_not_allowed, path_not_allowed, "
+            "path_blocked), and cancelled by reason (kvguard_requests_cancelled_total: "
+            "largest to free KV, drain). These counters have no priority label.",
             "reqps",
             [
                 target(f"sum({rate('kvguard_requests_clamped_total')})", "clamped"),
@@ -746,11 +748,44 @@ def health_row() -> list[Json]:
             timeseries(
                 "Poll rate",
                 "Ticks per second (rate of kvguard_ticks_total): 2 at the default 0.5 s "
-                "interval, up to 10 when KV usage or demand reaches 90% or a GPU has 5% free.",
+                "interval, up to 10 when KV usage or demand reaches 90%, a GPU has 5% free, "
+                "or an escalation waits for confirmation.",
                 "hertz",
                 [target(f"sum({rate('kvguard_ticks_total')})", "ticks")],
             ),
             18,
+            8,
+        ),
+        sized(
+            timeseries(
+                "Event loop lag",
+                "How late the event loop ran the loop watchdog's latest 0.1 s timer "
+                "(kvguard_event_loop_lag_seconds) and the largest such lag since start "
+                "(kvguard_event_loop_lag_max_seconds). Near 0 when healthy: the ticks, the "
+                "proxy and the HTTP API share this loop.",
+                "s",
+                [
+                    target(sel("kvguard_event_loop_lag_seconds"), "lag"),
+                    target(sel("kvguard_event_loop_lag_max_seconds"), "max since start"),
+                ],
+            ),
+            12,
+            8,
+        ),
+        sized(
+            timeseries(
+                "Loop stalls and tick overruns",
+                "Per second: event loop wake-ups at least 1 s late "
+                "(kvguard_event_loop_stalls_total) and ticks longer than poll.timeout_s + "
+                "0.5 s (kvguard_tick_overruns_total). Any is something blocking the loop; "
+                "the logs name it (event_loop_stalled, tick_overran).",
+                "ops",
+                [
+                    target(f"sum({rate('kvguard_event_loop_stalls_total')})", "loop stalls"),
+                    target(f"sum({rate('kvguard_tick_overruns_total')})", "tick overruns"),
+                ],
+            ),
+            12,
             8,
         ),
         sized(

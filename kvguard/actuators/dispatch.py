@@ -9,6 +9,11 @@ after a switch. It also says which actions this engine cannot take, so the ladde
 falls through to the next one (and the log says why, once). Given the state
 file's record (:mod:`kvguard.state`), it resumes an engine that an earlier kvguard
 paused and never resumed (it was killed) as soon as the engine's kind is known.
+
+Pause and resume go to the engine one at a time, in order, from one task: a resume
+asked for while a pause is in flight is sent once the pause has answered, so the
+engine cannot take the resume first and stay paused; whatever was asked last is
+what the engine ends in.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from kvguard.model.policy import Action
 from kvguard.state import EnginePauseRecord
 
 log = structlog.get_logger("kvguard.actuators")
+_PAUSE_TASK = "engine_pause"  # the one task that pauses and resumes the engine
 EventSink = Callable[[str, dict[str, Any]], None]
 
 
@@ -64,6 +70,8 @@ class Actuators:
             }
         )
         self.paused = False  # the engine is paused by kvguard (engine-side shed)
+        # What the engine should end in (paused or not); read by the pause task.
+        self._pause_wanted = False
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------------ what can act
@@ -92,7 +100,8 @@ class Actuators:
             return
         log.warning("stale_pause_found", engine=record.engine_url)
         self.paused = True  # until the resume says otherwise: /metrics shows the truth
-        self._start("resume", self._resume_stale())
+        self._pause_wanted = False
+        self._start(_PAUSE_TASK, self._resume_stale())
 
     def unavailable(self) -> dict[str, str]:
         """Actions this engine cannot take now, with why (the ladder falls through)."""
@@ -140,13 +149,23 @@ class Actuators:
                 return False
             return self._start(kind, self._switch(fp8=kind == "kv_fp8"))
         if kind == "shed" and self._pause_sheds() and action.priority == "standard":
-            return not self.paused and self._start("pause", self._pause())
-        if self.paused and (
-            (kind == "release" and action.target == "shed")
-            or (kind == "shed" and action.priority != "standard")  # down from critical
+            return self._steer_pause(paused=True)
+        if (kind == "release" and action.target == "shed") or (
+            kind == "shed" and action.priority != "standard"  # down from critical
         ):
-            return self._start("resume", self._resume())
+            return self._steer_pause(paused=False)
         return False
+
+    def _steer_pause(self, *, paused: bool) -> bool:
+        """Head the engine for ``paused``; False when it is already there or headed there."""
+        running = self._tasks.get(_PAUSE_TASK)
+        busy = running is not None and not running.done()
+        if (self._pause_wanted if busy else self.paused) == paused:
+            return False
+        self._pause_wanted = paused
+        if not busy:  # else the running task reads the new wish when its call ends
+            self._tasks[_PAUSE_TASK] = asyncio.ensure_future(self._follow_pause_wish())
+        return True
 
     def _pause_sheds(self) -> bool:
         return (
@@ -169,6 +188,21 @@ class Actuators:
         assert self.admin is not None  # noqa: S101 - launch checked it
         self._admin_done(await self.admin.evict())
 
+    async def _follow_pause_wish(self) -> None:
+        """Pause or resume, one call at a time, until the last call made is the last wish.
+
+        Never two calls at once: an engine could take them in either order. A wish
+        that flips and flips back while a call is out costs no call at all.
+        """
+        while True:
+            wanted = self._pause_wanted
+            if wanted:
+                await self._pause()
+            else:
+                await self._resume()
+            if self._pause_wanted == wanted:
+                return
+
     async def _pause(self) -> None:
         assert self.admin is not None  # noqa: S101 - launch checked it
         # vLLM stops admitting as soon as the pause arrives but answers later: from
@@ -185,7 +219,7 @@ class Actuators:
         self._admin_done(result)
 
     async def _resume_stale(self) -> None:
-        await self._resume()
+        await self._follow_pause_wish()
         record = self.pause_record
         if not self.paused and record is not None:
             log.info("stale_pause_resumed", engine=record.engine_url)

@@ -90,6 +90,104 @@ async def test_shed_by_pause_pauses_and_release_resumes(sim_engine):
     assert not actuators.paused
 
 
+class SlowPauseEngine:
+    """vLLM's pause endpoints on 127.0.0.1, taking a pause only ``pause_s`` after it arrives.
+
+    Like a pause held up on its way (a busy engine loop, a proxy): a resume sent
+    meanwhile on another connection would be taken first, and the pause would stick.
+    """
+
+    def __init__(self, pause_s: float) -> None:
+        self.pause_s = pause_s
+        self.paused = False
+        self.calls: list[str] = []
+        self.pause_arrived = asyncio.Event()
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/pause", self._pause)
+        app.router.add_post("/resume", self._resume)
+        app.router.add_get("/is_paused", self._is_paused)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _pause(self, _request: web.Request) -> web.Response:
+        self.calls.append("pause")
+        self.pause_arrived.set()
+        await asyncio.sleep(self.pause_s)
+        self.paused = True
+        return web.json_response({})
+
+    async def _resume(self, _request: web.Request) -> web.Response:
+        self.calls.append("resume")
+        self.paused = False
+        return web.json_response({})
+
+    async def _is_paused(self, _request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.paused})
+
+
+async def _slow_pause_engine() -> SlowPauseEngine:
+    engine = SlowPauseEngine(pause_s=0.3)
+    await engine.start()
+    return engine
+
+
+async def _until_pause_sent(engine: SlowPauseEngine) -> None:
+    await asyncio.wait_for(engine.pause_arrived.wait(), 5)
+
+
+async def test_a_release_during_a_slow_pause_leaves_the_engine_resumed():
+    """A release while the pause is out is sent after the pause answers: the engine ends resumed."""
+    engine = await _slow_pause_engine()
+    actuators = _actuators(engine.url, shed_by_pause=True)
+    actuators.set_kind("vllm")
+    try:
+        assert actuators.launch(Action("shed", "test", priority="standard"))
+        await _until_pause_sent(engine)
+        assert actuators.launch(Action("release", "test", target="shed"))
+        assert not actuators.launch(Action("release", "test", target="shed"))  # already asked
+        await _settle(actuators)
+        assert engine.calls == ["pause", "resume"]
+        assert not engine.paused
+        assert not actuators.paused
+        assert actuators.results[("pause", "succeeded")] == 1
+        assert actuators.results[("resume", "succeeded")] == 1
+    finally:
+        await actuators.close()
+        await engine.stop()
+
+
+async def test_the_last_wish_wins_and_a_flip_back_costs_no_call():
+    """Release, then shed again, while the pause is out: no resume is sent; it stays paused."""
+    engine = await _slow_pause_engine()
+    actuators = _actuators(engine.url, shed_by_pause=True)
+    actuators.set_kind("vllm")
+    try:
+        assert actuators.launch(Action("shed", "test", priority="standard"))
+        await _until_pause_sent(engine)
+        assert actuators.launch(Action("release", "test", target="shed"))
+        assert actuators.launch(Action("shed", "test", priority="standard"))
+        await _settle(actuators)
+        assert engine.calls == ["pause"]
+        assert engine.paused
+        assert actuators.paused
+    finally:
+        await actuators.close()  # resumes: kvguard never leaves the engine paused
+        await engine.stop()
+    assert engine.calls == ["pause", "resume"]
+
+
 async def test_the_proxy_in_the_path_means_no_engine_pause(sim_engine):
     """With the proxy, shedding is the proxy's: the engine is never paused for it."""
     url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)

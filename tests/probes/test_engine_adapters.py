@@ -13,7 +13,8 @@ import pytest
 
 from kvguard.errors import ProbeError
 from kvguard.model.snapshot import ENGINE_KINDS, EngineStats, HistogramSummary
-from kvguard.probes.engines import ADAPTERS, EngineScrape, detect_kind, parse_exposition
+from kvguard.probes.engines import ADAPTERS, EngineScrape, Samples, detect_kind, parse_exposition
+from kvguard.probes.engines.base import keep_lines
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "engines"
 
@@ -322,3 +323,104 @@ def test_adapters_declare_their_surface(kind):
     assert adapter.actions == expected_actions
     assert adapter.extra_paths == (("/slots", "/props") if kind == "llamacpp" else ())
     assert adapter.health_path == ("/v2/health/ready" if kind == "trtllm" else "/health")
+
+
+# ------------------------------------------------- filtered parsing (adapter.reads)
+EXPOSITIONS = sorted(
+    [*FIXTURES.glob("*.txt"), FIXTURES.parent / "bench" / "vllm-cpu-dp4.txt"],
+    key=lambda path: path.name,
+)
+
+
+def scrape_of(path: Path) -> EngineScrape:
+    """A fixture as a scrape; llama.cpp metrics come with the /slots and /props of that moment."""
+    slots = path.with_name(path.name.replace("-metrics.txt", "-slots.json"))
+    if path.name == "llamacpp_sim_busy_metrics.txt":
+        return llamacpp_scrape()
+    if path.name.startswith("llamacpp-real") and slots.exists():
+        return EngineScrape(
+            metrics_text=path.read_text(),
+            slots=json.loads(slots.read_text()),
+            props=json.loads(fixture("llamacpp-real-props.json")),
+        )
+    return EngineScrape(metrics_text=path.read_text())
+
+
+@pytest.mark.parametrize("path", EXPOSITIONS, ids=lambda path: path.name)
+@pytest.mark.parametrize("kind", ENGINE_KINDS)
+def test_filtered_parse_equals_the_whole_parse_on_every_fixture(kind, path, monkeypatch):
+    """Parsing only the lines of adapter.reads gives exactly what parsing every line gives."""
+    adapter = ADAPTERS[kind]
+    scrape = scrape_of(path)
+    filtered = adapter.parse(scrape)
+    monkeypatch.setattr(adapter, "reads", None)
+    assert adapter.parse(scrape) == filtered
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [
+        ("vllm", ""),
+        ("sglang", ""),
+        ("llamacpp", ""),
+        ("trtllm", ""),
+        # TGI's fallbacks: counters without TYPE lines and without success/failure.
+        ("tgi", "tgi_request_count 7\n"),
+    ],
+)
+def test_adapters_look_up_only_what_they_declare(kind, extra, monkeypatch):
+    """Every name an adapter asks Samples for is in its reads, so filtering never hides it."""
+    asked: set[str] = set()
+    real_series, real_first = Samples.series, Samples.first_present
+
+    def series(self, name, **where):
+        asked.add(name)
+        return real_series(self, name, **where)
+
+    def first_present(self, *names):
+        asked.update(names)
+        return real_first(self, *names)
+
+    monkeypatch.setattr(Samples, "series", series)
+    monkeypatch.setattr(Samples, "first_present", first_present)
+    adapter = ADAPTERS[kind]
+    for path in EXPOSITIONS:
+        adapter.parse(scrape_of(path))
+    adapter.parse(EngineScrape(extra))
+    assert asked
+    assert asked <= adapter.reads
+
+
+def test_keep_lines_keeps_the_read_families_and_drops_the_rest():
+    """Samples and HELP/TYPE of read families stay (counters either spelling); others go."""
+    text = (
+        "# HELP a_total A.\n# TYPE a_total counter\na_total 1\n"
+        "# HELP a_created When.\n# TYPE a_created gauge\na_created 9\n"
+        '# HELP b Gauge.\n# TYPE b gauge\nb{x="1"} 2\n'
+        '# TYPE h histogram\nh_bucket{le="+Inf"} 3\nh_sum 4\nh_count 3\n'
+        "# TYPE c counter\nc 5\n"
+        "# a plain comment\n"
+    )
+    kept = keep_lines(text, {"a_total", "h_sum", "h_count", "c_total"})
+    assert kept == (
+        "# HELP a_total A.\n# TYPE a_total counter\na_total 1\n"
+        "# TYPE h histogram\nh_sum 4\nh_count 3\n"
+        "# TYPE c counter\nc 5\n"
+    )
+    samples = parse_exposition(text, {"a_total", "h_sum", "h_count", "c_total"})
+    assert sorted(samples.names()) == ["a_total", "c_total", "h_count", "h_sum"]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'other{engine="0" 3',  # truncated labels
+        "other three",  # not a number
+        "other 1 2 3 4 5 x",
+        "# TYPE other",  # TYPE without a type
+        "<p>",
+    ],
+)
+def test_keep_lines_keeps_lines_it_cannot_vouch_for(line):
+    """A line of an unread family that is not plainly well-formed goes to the parser."""
+    assert keep_lines(f"wanted 1\n{line}\nother 2\n", {"wanted"}) == f"wanted 1\n{line}\n"

@@ -14,6 +14,15 @@ from typing import Any
 from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
 from kvguard.probes.engines.base import EngineScrape, as_int, parse_exposition, ratio
 
+READS = frozenset(
+    {
+        "llamacpp:requests_processing",
+        "llamacpp:requests_deferred",
+        "llamacpp:prompt_tokens_total",
+        "llamacpp:tokens_predicted_total",
+    }
+)
+
 
 class LlamacppAdapter:
     """llama-server's metrics (``--metrics``), ``/slots`` and ``/props``."""
@@ -22,10 +31,11 @@ class LlamacppAdapter:
     actions: frozenset[EngineAction] = frozenset({"evict"})
     extra_paths: tuple[str, ...] = ("/slots", "/props")
     health_path: str = "/health"
+    reads: frozenset[str] | None = READS
 
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one llama-server scrape."""
-        samples = parse_exposition(scrape.metrics_text)
+        samples = parse_exposition(scrape.metrics_text, self.reads)
         capacity, used = _from_slots(scrape.slots)
         if capacity is None:
             capacity = _capacity_from_props(scrape.props)

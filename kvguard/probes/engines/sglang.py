@@ -11,6 +11,21 @@ from __future__ import annotations
 from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
 from kvguard.probes.engines.base import EngineScrape, as_int, parse_exposition
 
+READS = frozenset(
+    {
+        "sglang:max_total_num_tokens",
+        "sglang:page_size",
+        "sglang:token_usage",
+        "sglang:num_used_tokens",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:num_retracted_requests_total",
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:num_requests_total",
+    }
+)
+
 
 class SglangAdapter:
     """SGLang's metrics (served with ``--enable-metrics``)."""
@@ -19,10 +34,11 @@ class SglangAdapter:
     actions: frozenset[EngineAction] = frozenset({"evict", "pause", "abort"})
     extra_paths: tuple[str, ...] = ()
     health_path: str = "/health"
+    reads: frozenset[str] | None = READS
 
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one SGLang scrape."""
-        samples = parse_exposition(scrape.metrics_text)
+        samples = parse_exposition(scrape.metrics_text, self.reads)
         capacity = as_int(samples.total("sglang:max_total_num_tokens"))
         page_size = as_int(samples.highest("sglang:page_size"))
         return EngineStats(

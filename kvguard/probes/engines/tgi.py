@@ -10,7 +10,30 @@ no preemption counter. TGI's Rust exporter names counters without ``_total``
 from __future__ import annotations
 
 from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
-from kvguard.probes.engines.base import EngineScrape, Samples, as_int, parse_exposition, ratio
+from kvguard.probes.engines.base import (
+    EngineScrape,
+    Samples,
+    as_int,
+    histogram_names,
+    parse_exposition,
+    ratio,
+)
+
+READS = frozenset(
+    {
+        "tgi_batch_max_total_tokens",
+        "tgi_batch_current_max_tokens",
+        "tgi_batch_current_size",
+        "tgi_queue_size",
+        "tgi_request_success_total",
+        "tgi_request_success",
+        "tgi_request_failure_total",
+        "tgi_request_failure",
+        "tgi_request_count_total",
+        "tgi_request_count",
+        *histogram_names("tgi_request_input_length", "tgi_request_generated_tokens"),
+    }
+)
 
 
 class TgiAdapter:
@@ -20,10 +43,11 @@ class TgiAdapter:
     actions: frozenset[EngineAction] = frozenset()
     extra_paths: tuple[str, ...] = ()
     health_path: str = "/health"
+    reads: frozenset[str] | None = READS
 
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one TGI scrape."""
-        samples = parse_exposition(scrape.metrics_text)
+        samples = parse_exposition(scrape.metrics_text, self.reads)
         capacity = as_int(samples.total("tgi_batch_max_total_tokens"))
         used = as_int(samples.total("tgi_batch_current_max_tokens"))
         return EngineStats(

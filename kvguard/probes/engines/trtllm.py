@@ -12,6 +12,7 @@ from kvguard.probes.engines.base import EngineScrape, as_int, parse_exposition, 
 
 KV_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"
 REQUESTS = "nv_trt_llm_request_metrics"
+READS = frozenset({KV_BLOCKS, REQUESTS})
 
 
 class TrtllmAdapter:
@@ -21,10 +22,11 @@ class TrtllmAdapter:
     actions: frozenset[EngineAction] = frozenset()
     extra_paths: tuple[str, ...] = ()
     health_path: str = "/v2/health/ready"
+    reads: frozenset[str] | None = READS
 
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one Triton scrape."""
-        samples = parse_exposition(scrape.metrics_text)
+        samples = parse_exposition(scrape.metrics_text, self.reads)
         max_blocks = as_int(samples.total(KV_BLOCKS, kv_cache_block_type="max"))
         used_blocks = as_int(samples.total(KV_BLOCKS, kv_cache_block_type="used"))
         # Every model instance of one engine uses one block size.

@@ -11,9 +11,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
-from kvguard.probes.engines.base import EngineScrape, Samples, as_int, parse_exposition
+from kvguard.probes.engines.base import (
+    EngineScrape,
+    Samples,
+    as_int,
+    histogram_names,
+    parse_exposition,
+)
 
 USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, then old
+READS = frozenset(
+    {
+        *USAGE_NAMES,
+        "vllm:cache_config_info",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        *histogram_names("vllm:request_prompt_tokens", "vllm:request_generation_tokens"),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -32,10 +51,11 @@ class VllmAdapter:
     actions: frozenset[EngineAction] = frozenset({"evict", "pause", "abort"})
     extra_paths: tuple[str, ...] = ()
     health_path: str = "/health"
+    reads: frozenset[str] | None = READS
 
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one vLLM scrape."""
-        samples = parse_exposition(scrape.metrics_text)
+        samples = parse_exposition(scrape.metrics_text, self.reads)
         configs = _cache_configs(samples)
         usage_by_engine = _usage_by_engine(samples)
         blocks, capacity_tokens = _capacity(configs)
