@@ -72,3 +72,27 @@ async def start_guard(
         daemon.proxy = proxy_app
         return daemon, runner, f"http://{address}"
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def start_watcher(
+    engine_url: str,
+    *,
+    poll: Mapping[str, float],
+    policy: Mapping[str, Any] | None = None,
+) -> Daemon:
+    """A daemon watching ``engine_url`` with no proxy: ``kvguard run`` in watch-only mode.
+
+    With ``policy = {"dry_run": True}`` it decides and logs but acts on nothing: what
+    the benchmarks use to time kvguard's warnings on traffic it does not touch. The
+    caller runs ``daemon.run`` and closes the daemon.
+    """
+    config = parse_config(
+        {"engine": {"url": engine_url}, "poll": dict(poll), "policy": dict(policy or {})},
+        env={},
+    )
+    return Daemon(
+        config,
+        probes=Probes(
+            engine=EngineProbe(engine_url, timeout_s=config.poll.timeout_s), nvml=None, host=None
+        ),
+    )
