@@ -26,6 +26,7 @@ from kvguard.daemon import Daemon
 from kvguard.metric_families import counter_family, gauge
 from kvguard.model.pattern import TRAFFIC_PATTERNS
 from kvguard.model.policy import LEVELS
+from kvguard.model.snapshot import EngineShare
 from kvguard.telemetry_actions import actuator_metrics
 
 BUDGET_COMPONENTS = ("weights", "kv_pool", "activations", "overhead", "headroom")
@@ -212,6 +213,7 @@ class DaemonCollector(Collector):
                 "The engine's preemption counter.",
                 value=engine.preemptions_total,
             )
+        yield from _engine_share_metrics(engine.engines)
 
     def _budget_metrics(self) -> Iterator[Metric]:
         state = self.daemon.state
@@ -374,6 +376,41 @@ class DaemonCollector(Collector):
             ["code"],
             counters.upstream_errors,
         )
+
+
+# Per data-parallel engine: (family, help, EngineShare attribute). Separate families
+# from the deployment-wide kvguard_kv_cache_usage_ratio / kvguard_requests_*, which
+# keep their single unlabelled series.
+SHARE_GAUGES = (
+    (
+        "kvguard_engine_kv_cache_usage_ratio",
+        "KV cache in use on one data-parallel engine, 0-1.",
+        "kv_cache_usage_ratio",
+    ),
+    (
+        "kvguard_engine_requests_running",
+        "Requests being processed by one data-parallel engine.",
+        "requests_running",
+    ),
+    (
+        "kvguard_engine_requests_waiting",
+        "Requests queued in one data-parallel engine.",
+        "requests_waiting",
+    ),
+)
+
+
+def _engine_share_metrics(shares: tuple[EngineShare, ...]) -> Iterator[Metric]:
+    """One series per data-parallel rank of this tick; a rank gone is simply not there."""
+    if not shares:
+        return
+    for name, doc, attribute in SHARE_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=["dp_rank"])
+        for share in shares:
+            value = getattr(share, attribute)
+            if value is not None:
+                family.add_metric([str(share.index)], value)
+        yield family
 
 
 def daemon_registry(daemon: Daemon) -> CollectorRegistry:

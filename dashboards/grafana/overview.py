@@ -268,6 +268,28 @@ def kv_row() -> list[Json]:
                 target(sel("kvguard_requests_waiting"), "waiting"),
             ],
         ),
+        timeseries(
+            "KV cache usage per data-parallel engine",
+            "Share of each data-parallel engine's own KV cache in use "
+            "(kvguard_engine_kv_cache_usage_ratio by dp_rank). The fullest one is the "
+            "engine's usage above and decides the ladder. Empty for a single engine.",
+            "percentunit",
+            [target(sel("kvguard_engine_kv_cache_usage_ratio"), "engine {{dp_rank}}")],
+            lines_at=LADDER_USAGE,
+            soft_max=1,
+        ),
+        timeseries(
+            "Requests per data-parallel engine",
+            "Requests each data-parallel engine is processing "
+            "(kvguard_engine_requests_running) and has queued "
+            "(kvguard_engine_requests_waiting), by dp_rank: an uneven split shows one "
+            "engine filling while the others have room. Empty for a single engine.",
+            "short",
+            [
+                target(sel("kvguard_engine_requests_running"), "running {{dp_rank}}"),
+                target(sel("kvguard_engine_requests_waiting"), "waiting {{dp_rank}}"),
+            ],
+        ),
     ]
 
 

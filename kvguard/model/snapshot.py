@@ -69,12 +69,33 @@ class HistogramSummary:
 
 
 @dataclass(frozen=True)
+class EngineShare:
+    """One data-parallel engine of a deployment, as its own series report it.
+
+    ``index`` is the engine's data-parallel rank (vLLM's ``engine`` label). The
+    deployment's :class:`EngineStats` adds these up and takes the fullest usage;
+    a share keeps each engine's own figures, so an operator sees which rank is full.
+    """
+
+    index: int
+    kv_cache_usage_ratio: float | None = None
+    kv_capacity_blocks: int | None = None
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    preemptions_total: float | None = None
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """One engine's cache and queue, normalized across engines.
 
     Counters (``*_total``) are the engine's raw cumulative values; rates are the
     forecast's business. ``kv_used_tokens`` is derived where the engine gives a
     usage ratio and a capacity, or counted directly (llama.cpp ``/slots``).
+
+    ``engines`` holds one :class:`EngineShare` per data-parallel engine, by index,
+    when the engine reports two or more; it is empty for a single engine (and for
+    engines without a data-parallel notion), where the figures above say it all.
     """
 
     kind: EngineKind
@@ -93,6 +114,7 @@ class EngineStats:
     requests_finished_total: float | None = None
     request_prompt_tokens: HistogramSummary | None = None
     request_generation_tokens: HistogramSummary | None = None
+    engines: tuple[EngineShare, ...] = ()
 
 
 @dataclass(frozen=True)

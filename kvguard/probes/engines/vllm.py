@@ -3,14 +3,15 @@
 Names and meanings are in ../shared/ENGINES.md. Data-parallel deployments label
 every series with ``engine="0"``, ``"1"``, …: counts, counters and capacity are
 added over engines, and the usage ratio is the highest engine's (the one that
-preempts first).
+preempts first). Each engine's own figures are kept beside the sums, one
+:class:`EngineShare` per ``engine`` index, so an operator can see which one is full.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
+from kvguard.model.snapshot import EngineAction, EngineKind, EngineShare, EngineStats
 from kvguard.probes.engines.base import (
     EngineScrape,
     Samples,
@@ -20,6 +21,12 @@ from kvguard.probes.engines.base import (
 )
 
 USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, then old
+# The per-engine series an EngineShare is made of (beside usage and cache_config_info).
+SHARE_COUNTS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_preemptions_total",
+)
 READS = frozenset(
     {
         *USAGE_NAMES,
@@ -79,6 +86,7 @@ class VllmAdapter:
             requests_finished_total=samples.total("vllm:request_success_total"),
             request_prompt_tokens=samples.histogram("vllm:request_prompt_tokens"),
             request_generation_tokens=samples.histogram("vllm:request_generation_tokens"),
+            engines=_shares(samples, usage_by_engine, configs),
         )
 
 
@@ -96,6 +104,44 @@ def _usage_by_engine(samples: Samples) -> dict[str, float]:
         engine = _engine_of(labels)
         usage[engine] = max(value, usage.get(engine, value))
     return usage
+
+
+def _shares(
+    samples: Samples, usage: dict[str, float], configs: dict[str, _CacheConfig]
+) -> tuple[EngineShare, ...]:
+    """One share per data-parallel engine, by index; none unless two or more report."""
+    labels = set(usage) | set(configs)
+    for name in SHARE_COUNTS:
+        labels.update(_engine_of(series_labels) for series_labels, _ in samples.series(name))
+    indices = {label: rank for label in labels if (rank := _rank(label)) is not None}
+    if len(indices) < 2:
+        return ()
+    shares = []
+    for label, index in sorted(indices.items(), key=lambda item: item[1]):
+        config = configs.get(label)
+        running, waiting, preemptions = (samples.total(name, engine=label) for name in SHARE_COUNTS)
+        shares.append(
+            EngineShare(
+                index=index,
+                kv_cache_usage_ratio=usage.get(label),
+                kv_capacity_blocks=config.num_gpu_blocks if config else None,
+                requests_running=running,
+                requests_waiting=waiting,
+                preemptions_total=preemptions,
+            )
+        )
+    return tuple(shares)
+
+
+def _rank(label: str) -> int | None:
+    """The data-parallel rank an ``engine`` value names, as vLLM writes it ("0", "1", …).
+
+    Anything else (absent, not a number, "01") names no rank, so two labels never
+    give one rank twice.
+    """
+    if not (label.isascii() and label.isdigit()) or str(int(label)) != label:
+        return None
+    return int(label)
 
 
 def _cache_configs(samples: Samples) -> dict[str, _CacheConfig]:
