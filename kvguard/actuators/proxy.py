@@ -451,7 +451,10 @@ class AdmissionProxy:
 
         def fits() -> bool:
             # The pool may become unknown while waiting (the engine went away): admit.
-            return mitigations.pool_tokens is None or self._room_under(ratio, own)
+            # A critical request larger than the whole pool would never fit: it goes in
+            # once nothing else is in flight, as the engine would take it alone.
+            alone = critical and not self.inflight.projected_tokens(mitigations.block_size)
+            return mitigations.pool_tokens is None or alone or self._room_under(ratio, own)
 
         return await self._wait_until(fits, wait_s)
 
@@ -618,8 +621,10 @@ class AdmissionProxy:
                     await _stream_error(response, f"the engine stream broke: {type(exc).__name__}")
             if not streaming:
                 # The status and Content-Length are sent and the body cannot be finished:
-                # cut the connection, or the client waits for bytes that never come.
-                self.counters.upstream_errors["502"] += 1
+                # cut the connection, or the client waits for bytes that never come. A
+                # cut kvguard made itself (cancel_largest) is counted as that, not as 502.
+                if tracked is None or not tracked.cancelled:
+                    self.counters.upstream_errors["502"] += 1
                 if request.transport is not None:
                     request.transport.abort()
             return response

@@ -413,6 +413,24 @@ async def test_projected_admission_lets_a_waiting_request_in_when_room_frees(sim
     assert not state.counters.shed
 
 
+async def test_a_critical_request_larger_than_the_pool_goes_in_alone(sim_engine, proxy_to):
+    """It can never fit the projection, but the engine takes it alone: it is not held forever."""
+    upstream = await sim_engine(kv_capacity_tokens=8192, max_model_len=2048)
+    mitigations = Mitigations(pool_tokens=256, block_size=16)
+    proxy, state = await proxy_to(upstream, mitigations, admission="projected")
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{proxy}/v1/completions",
+            json=completion(300, 100),
+            headers={"X-Priority": "critical"},
+            timeout=aiohttp.ClientTimeout(total=20),
+        ) as resp,
+    ):
+        assert resp.status == 200
+    assert not state.counters.shed
+
+
 async def test_projected_admission_keeps_an_oom_engine_alive(sim_server, proxy_to):
     """A burst that crashes an oom_on_exhaust engine passes through the proxy without a crash."""
     body = completion(300, 100)

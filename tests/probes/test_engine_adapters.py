@@ -418,6 +418,7 @@ def test_keep_lines_keeps_the_read_families_and_drops_the_rest():
         "other three",  # not a number
         "other 1 2 3 4 5 x",
         "# TYPE other",  # TYPE without a type
+        "#  TYPE",  # the parser reads two blanks as a TYPE line too: not a plain comment
         "<p>",
     ],
 )

@@ -145,7 +145,10 @@ _SAMPLE_LINE = re.compile(
 )
 _DESCRIPTOR_LINE = re.compile(rf"# (?:HELP ({_NAME})(?:[ \t].*)?|TYPE ({_NAME})[ \t]+[a-z]+[ \t]*)")
 # A comment the parser ignores: its second word is not HELP or TYPE.
-_COMMENT_LINE = re.compile(r"#(?:[ \t]+(?!(?:HELP|TYPE)\b).*)?")
+# A plain comment: '#' alone, or '#' and blanks then anything but a HELP/TYPE word. The
+# lookahead sits after ALL the blanks (no backtracking into them): the parser reads
+# '#  TYPE x counter' (two blanks) as a TYPE line too.
+_COMMENT_LINE = re.compile(r"#(?:[ \t]+(?![ \t]|(?:HELP|TYPE)\b).*)?")
 # Sample-name suffixes of one family (counter, summary, histogram, created stamp).
 _SUFFIXES = ("_total", "_sum", "_count", "_bucket", "_created")
 
