@@ -263,7 +263,11 @@ class Actuators:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.paused and self.admin is not None:
+        # The record too: a pause whose answer never came (a timeout) may have reached
+        # the engine though `paused` says no; a resume the engine did not need is harmless.
+        record = self.pause_record
+        maybe_paused = self.paused or (record is not None and record.paused)
+        if maybe_paused and self.admin is not None:
             with contextlib.suppress(Exception):
                 result = await self.admin.resume()
                 self.paused = not result.ok

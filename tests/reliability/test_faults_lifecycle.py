@@ -289,6 +289,33 @@ async def test_sigterm_during_a_drain_resumes_the_engine_before_exit(sim_server,
     assert actuators.results[("kv_fp8", "failed")] == 1  # cut short: never reported applied
 
 
+async def test_exit_resumes_an_engine_a_lost_pause_answer_may_have_paused(sim_server, tmp_path):
+    """A pause whose answer never came leaves `paused` false; the record says paused.
+
+    On exit kvguard resumes on the record's word too: the engine may be paused.
+    """
+    server = await sim_server(kv_capacity_tokens=4096, max_model_len=2048)
+    url = server.url
+    record = EnginePauseRecord(StateFile(tmp_path / "state.json"), url)
+
+    def build(kind: str):
+        admin = EngineAdmin(url, kind, backoff_s=0.01, on_pause_change=record.mark)
+        return admin, None
+
+    actuators = Actuators(build, on_fp8=lambda _on: None, pause_record=record)
+    actuators.set_kind("vllm")
+    # What a pause that reached the engine but timed out on the way back leaves behind.
+    async with aiohttp.ClientSession() as http, http.post(f"{url}/pause") as resp:
+        assert resp.status == 200
+    record.mark(True)
+    assert not actuators.paused
+    assert await is_paused(url)
+
+    await actuators.close()
+
+    assert not await is_paused(url)
+
+
 # ---------------------------------------------------------------------- a stalled loop
 class BlockingProbe:
     """A probe with a synchronous call inside: it blocks the whole event loop."""
