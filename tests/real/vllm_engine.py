@@ -146,9 +146,12 @@ def stop_group(
 class VllmServer:
     """One vLLM server process (and its engine-core and worker children) on 127.0.0.1."""
 
-    def __init__(self, scratch: Path, *, dev_mode: bool = True) -> None:
+    def __init__(
+        self, scratch: Path, *, dev_mode: bool = True, extra_args: tuple[str, ...] = ()
+    ) -> None:
         self.scratch = scratch
         self.dev_mode = dev_mode
+        self.extra_args = extra_args  # more server flags (a later flag wins over ours)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = scratch / "vllm.log"
@@ -163,7 +166,7 @@ class VllmServer:
             env.pop("VLLM_SERVER_DEV_MODE", None)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                vllm_command(self.port),
+                vllm_command(self.port, *self.extra_args),
                 cwd=self.scratch,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -209,9 +212,11 @@ class VllmServer:
 
 
 @contextlib.contextmanager
-def running_vllm(scratch: Path, *, dev_mode: bool = True) -> Iterator[VllmServer]:
+def running_vllm(
+    scratch: Path, *, dev_mode: bool = True, extra_args: tuple[str, ...] = ()
+) -> Iterator[VllmServer]:
     """A healthy server for the duration of the block, stopped whatever happens."""
-    server = VllmServer(scratch, dev_mode=dev_mode)
+    server = VllmServer(scratch, dev_mode=dev_mode, extra_args=extra_args)
     server.start()
     try:
         server.wait_healthy()
