@@ -41,6 +41,7 @@ RUN_FIELDS = {
 
 
 def test_predict_linear_fires_when_the_trend_reaches_the_threshold_within_the_horizon():
+    """Least squares over the window, projected a horizon ahead, as Prometheus does."""
     # Usage rising 0.05 per second from 0.2: 0.95 is 15 s away at t=0, 10 s away at t=5.
     rising = [(t / 10, 0.2 + 0.05 * t / 10) for t in range(-100, 200)]
     fired = predict_linear_alert(rising, window_s=5, horizon_s=10, threshold=0.95)
@@ -48,6 +49,7 @@ def test_predict_linear_fires_when_the_trend_reaches_the_threshold_within_the_ho
 
 
 def test_predict_linear_stays_quiet_on_a_flat_series_and_never_fires_in_the_warmup():
+    """No trend, no alert; the warm-up is history only."""
     flat = [(t / 10, 0.9) for t in range(-100, 100)]
     assert predict_linear_alert(flat) is None
     warmup_only = [(t / 10, 0.2 + 0.1 * (t / 10 + 10)) for t in range(-100, 0)]
@@ -60,6 +62,7 @@ def _run(policy: str, **figures) -> Run:
 
 
 def test_targets_report_misses_with_the_number():
+    """A missed target says by how much and which baseline did better."""
     runs = [
         _run("none", preemptions=100, goodput=50, completed=60),
         _run("static_limit", goodput=70),
@@ -77,10 +80,21 @@ def test_targets_report_misses_with_the_number():
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
+    """`python -m bench all --quick` once for the module, into a temp folder."""
     out = tmp_path_factory.mktemp("bench")
     page = out / "benchmarks.md"
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "all", "--quick", "--results", str(out), "--docs", str(page)],
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "all",
+            "--quick",
+            "--results",
+            str(out),
+            "--docs",
+            str(page),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -92,19 +106,23 @@ def quick(tmp_path_factory):
 
 
 def test_quick_run_writes_every_policy_for_every_pattern_and_mode(quick):
+    """Every run has the documented fields; every cell has every policy."""
     out, _ = quick
     runs = json.loads((out / "efficacy.json").read_text())
     assert runs, "no runs"
     for run in runs:
-        assert RUN_FIELDS <= run.keys()
+        assert run.keys() >= RUN_FIELDS
     cells = {(r["failure_mode"], r["pattern"]) for r in runs}
     assert {mode for mode, _ in cells} == set(FAILURE_MODES)
     for mode, pattern in cells:
-        policies = {r["policy"] for r in runs if (r["failure_mode"], r["pattern"]) == (mode, pattern)}
+        policies = {
+            r["policy"] for r in runs if (r["failure_mode"], r["pattern"]) == (mode, pattern)
+        }
         assert policies == set(POLICIES), (mode, pattern)
 
 
 def test_observers_ride_on_the_unguarded_traffic(quick):
+    """The alert and the dry-run share `none`'s figures; every run's figures hang together."""
     out, _ = quick
     runs = json.loads((out / "efficacy.json").read_text())
     for none in (r for r in runs if r["policy"] == "none"):
@@ -126,6 +144,7 @@ def test_observers_ride_on_the_unguarded_traffic(quick):
 
 
 def test_quick_run_writes_the_page_with_both_parts(quick):
+    """The page has the efficacy tables, the targets and the overhead part."""
     out, page = quick
     text = page.read_text()
     assert "## 1. Protection efficacy" in text
