@@ -84,8 +84,9 @@ def _daemon(result: dict[str, Any]) -> list[str]:
         f"Four `kvguard run` processes side by side for {daemon['seconds']:g} s"
         f" (after {daemon['warmup_s']:g} s of warm-up), watching one idle `kvguard sim-engine`;"
         " CPU = user + system seconds per wall second (psutil). No GPU: the NVML probe is"
-        " unavailable. The poll interval is the sleep *between* ticks, so the tick rate stays"
-        " below the nominal rate when a tick takes a while.",
+        " unavailable. Ticks start one poll interval apart (the wait is the interval less"
+        " the tick's own duration), so the rate reaches the nominal one unless a tick takes"
+        " longer than the interval.",
         "",
         *_table(
             [

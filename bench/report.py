@@ -16,7 +16,7 @@ HEADER = """# Benchmarks
 
 Two questions a user asks before adopting kvguard: does it prevent the failures, better
 than what I would otherwise use, at what cost in refused traffic; and what does it cost
-to run beside my engine. Every figure below comes from one command on one machine:
+to run beside my engine. Every figure below was measured on one machine with:
 
     .venv/bin/pip install -e '.[bench]'   # matplotlib, for the plots (optional)
     .venv/bin/python -m bench all         # about {minutes} minutes; --quick: a few
@@ -89,7 +89,10 @@ def efficacy_section(doc: dict[str, Any]) -> str:
         f" {s['slo']['e2e_s']:g} s. **Critical lost**: critical requests refused or failed"
         " (a crash fails everything in flight). **Lead time**: from a policy's first warning"
         " (kvguard's first `high`, the alert, llm-d's first saturation) to the first"
-        " preemption or the crash. Figures: median over seeds, (min to max) when they differ.",
+        ' preemption or the crash, for the runs that failed ("warned first in k of n": in how'
+        " many of the failing runs the warning came first); an acting policy's lead time"
+        " exists only for the runs it did not protect. Figures: median over seeds,"
+        " (min to max) when they differ.",
         "",
         "Policies, each on the same seeded traffic:",
         "",
@@ -143,15 +146,23 @@ def _tables(summary: dict[str, Any]) -> list[str]:
                 "|---|---|---|---|---|---|---|---|---|",
             ]
             lines.extend(
-                f"| {policy} | {row['crashes_total']}/{row['seeds']}"
+                f"| {policy} | {row['crashes_total']}/{row['seeds']}{_cut(row)}"
                 f" | {_cell(row['preemptions'])} | {_cell(row['completed'])}"
                 f" | {_cell(row['goodput'])} | {_cell(row['shed_fraction'], pct=True)}"
                 f" | {_cell(row['critical_lost'])} | {_cell(row['p99_ttft_s'], unit=' s')}"
-                f" | {_lead(row)} |"
+                f" | {_lead(row) if policy not in SILENT else 'n/a (no warning)'} |"
                 for policy, row in table.items()
             )
             lines.append("")
     return lines
+
+
+SILENT = ("none", "static_limit")  # policies with nothing that warns
+
+
+def _cut(row: dict[str, Any]) -> str:
+    """Runs whose load could not be stopped after a crash: no other figure counts them."""
+    return f" ({row['cut_off']} cut off)" if row.get("cut_off") else ""
 
 
 def _lead(row: dict[str, Any]) -> str:
