@@ -162,14 +162,20 @@ class Brain:
         self.guard = replace(self.guard, fp8_on=fp8_on)
 
     def _refresh_pool(self, snapshot: Snapshot) -> None:
-        """Tell the admission path the engine's usable pool (None while it is unknown)."""
+        """Tell the admission path the engine's usable pool (None until it is known).
+
+        A failed read keeps the last known pool: a scrape that times out because the
+        engine is at its busiest must not open projected admission to everything
+        waiting, at the worst moment. The pool's size changes only when the engine
+        restarts, and the next good read reports that.
+        """
         engine, source = snapshot.engine, snapshot.sources.get("engine")
-        pool = None
-        if engine is not None and source is not None and source.ok:
-            blocks, block = engine.kv_capacity_blocks, engine.block_size
-            # vLLM counts one reserved null block in num_gpu_blocks; it holds no KV.
-            pool = (blocks - 1) * block if blocks and block else engine.kv_capacity_tokens
-            self.mitigations.block_size = block or 16
+        if engine is None or source is None or not source.ok:
+            return
+        blocks, block = engine.kv_capacity_blocks, engine.block_size
+        # vLLM counts one reserved null block in num_gpu_blocks; it holds no KV.
+        pool = (blocks - 1) * block if blocks and block else engine.kv_capacity_tokens
+        self.mitigations.block_size = block or 16
         self.mitigations.pool_tokens = pool
 
     def _retry_after_s(self) -> int:

@@ -117,6 +117,22 @@ async def test_an_unreachable_engine_is_down_but_its_last_figures_remain():
     assert snapshot.engine.kv_cache_usage_ratio == 0.5
 
 
+async def test_a_failed_engine_read_keeps_the_pool_projected_admission_uses():
+    """A scrape that times out (the engine at its busiest) must not open the admission gate."""
+    daemon, probes, clock = make(engine=engine_stats(kv_capacity_blocks=121, block_size=16))
+    await daemon.tick()
+    assert daemon.mitigations.pool_tokens == 120 * 16  # one null block holds no KV
+    probes.engine.error = "no answer within 2 s"  # type: ignore[union-attr]
+    clock.now += 0.5
+    await daemon.tick()
+    assert daemon.mitigations.pool_tokens == 120 * 16
+    probes.engine.error = None  # type: ignore[union-attr]
+    probes.engine.value = engine_stats(kv_capacity_blocks=241, block_size=16)  # type: ignore[union-attr]
+    clock.now += 0.5
+    await daemon.tick()
+    assert daemon.mitigations.pool_tokens == 240 * 16  # restarted with more: the new pool
+
+
 async def test_a_hung_probe_does_not_stall_the_tick():
     """A probe that never answers times out; the tick completes with the others fresh."""
     daemon, probes, _ = make()
