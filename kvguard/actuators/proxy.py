@@ -390,6 +390,11 @@ class AdmissionProxy:
         the excess. The held requests are bounded: at most ``HELD_POOLS`` pools' worth.
         """
         own = self._own(tracked)
+        # Checked again here, with nothing awaited between the check and the add: in a
+        # burst, many requests pass _admit's early check together while their prompts
+        # are tokenized, and would all be held past the bound.
+        if not self._room_under(self.settings.shed_ratio, own) and not self._may_hold():
+            return False
         self._held_tokens += own
         try:
             return (
