@@ -70,6 +70,9 @@ class Actuators:
             }
         )
         self.paused = False  # the engine is paused by kvguard (engine-side shed)
+        # A pause that failed may still have reached the engine (a timeout, a 5xx after
+        # it acted): until a resume works, a release must still send one.
+        self._resume_owed = False
         # What the engine should end in (paused or not); read by the pause task.
         self._pause_wanted = False
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -160,7 +163,11 @@ class Actuators:
         """Head the engine for ``paused``; False when it is already there or headed there."""
         running = self._tasks.get(_PAUSE_TASK)
         busy = running is not None and not running.done()
-        if (self._pause_wanted if busy else self.paused) == paused:
+        if busy:
+            there = self._pause_wanted == paused
+        else:
+            there = self.paused if paused else not (self.paused or self._resume_owed)
+        if there:
             return False
         self._pause_wanted = paused
         if not busy:  # else the running task reads the new wish when its call ends
@@ -210,12 +217,15 @@ class Actuators:
         self.paused = True
         result = await self.admin.pause()
         self.paused = result.ok
+        # Sent and failed is not known to be unpaused; never sent (unsupported) is.
+        self._resume_owed = result.ok or (result.supported and result.attempts > 0)
         self._admin_done(result)
 
     async def _resume(self) -> None:
         assert self.admin is not None  # noqa: S101 - launch checked it
         result = await self.admin.resume()
         self.paused = not result.ok
+        self._resume_owed = not result.ok
         self._admin_done(result)
 
     async def _resume_stale(self) -> None:
@@ -239,7 +249,7 @@ class Actuators:
             # Whatever happened, the ladder learns what the engine's cache is now; and a
             # restarted engine starts unpaused.
             self.on_fp8(reconfigurer.fp8)
-            self.paused = False
+            self.paused = self._resume_owed = False
 
     def _admin_done(self, result: AdminResult) -> None:
         outcome = "succeeded" if result.ok else "failed"
@@ -266,7 +276,7 @@ class Actuators:
         # The record too: a pause whose answer never came (a timeout) may have reached
         # the engine though `paused` says no; a resume the engine did not need is harmless.
         record = self.pause_record
-        maybe_paused = self.paused or (record is not None and record.paused)
+        maybe_paused = self.paused or self._resume_owed or (record is not None and record.paused)
         if maybe_paused and self.admin is not None:
             with contextlib.suppress(Exception):
                 result = await self.admin.resume()

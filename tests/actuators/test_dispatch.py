@@ -97,8 +97,9 @@ class SlowPauseEngine:
     meanwhile on another connection would be taken first, and the pause would stick.
     """
 
-    def __init__(self, pause_s: float) -> None:
+    def __init__(self, pause_s: float, pause_status: int = 200) -> None:
         self.pause_s = pause_s
+        self.pause_status = pause_status  # 500: it pauses, then answers an error
         self.paused = False
         self.calls: list[str] = []
         self.pause_arrived = asyncio.Event()
@@ -126,7 +127,7 @@ class SlowPauseEngine:
         self.pause_arrived.set()
         await asyncio.sleep(self.pause_s)
         self.paused = True
-        return web.json_response({})
+        return web.json_response({}, status=self.pause_status)
 
     async def _resume(self, _request: web.Request) -> web.Response:
         self.calls.append("resume")
@@ -186,6 +187,44 @@ async def test_the_last_wish_wins_and_a_flip_back_costs_no_call():
         await actuators.close()  # resumes: kvguard never leaves the engine paused
         await engine.stop()
     assert engine.calls == ["pause", "resume"]
+
+
+async def test_a_pause_that_failed_after_it_acted_is_still_resumed_on_release():
+    """The engine paused, then answered 500: the pause counts as failed, yet a release resumes."""
+    engine = SlowPauseEngine(pause_s=0.0, pause_status=500)
+    await engine.start()
+    actuators = _actuators(engine.url, shed_by_pause=True)
+    actuators.set_kind("vllm")
+    try:
+        assert actuators.launch(Action("shed", "test", priority="standard"))
+        await _settle(actuators)
+        assert actuators.results[("pause", "failed")] == 1
+        assert not actuators.paused  # not known to be paused: /metrics says 0
+        assert engine.paused  # ... but it is
+        assert actuators.launch(Action("release", "test", target="shed"))
+        await _settle(actuators)
+        assert not engine.paused
+        assert engine.calls[-1] == "resume"
+        assert not actuators.launch(Action("release", "test", target="shed"))  # resumed: done
+    finally:
+        await actuators.close()
+        await engine.stop()
+
+
+async def test_a_pause_the_engine_lacks_owes_no_resume():
+    """An engine without the pause endpoint (404) was never paused: a release sends nothing."""
+    engine = SlowPauseEngine(pause_s=0.0, pause_status=404)
+    await engine.start()
+    actuators = _actuators(engine.url, shed_by_pause=True)
+    actuators.set_kind("vllm")
+    try:
+        assert actuators.launch(Action("shed", "test", priority="standard"))
+        await _settle(actuators)
+        assert not actuators.launch(Action("release", "test", target="shed"))
+        assert engine.calls == ["pause"]
+    finally:
+        await actuators.close()
+        await engine.stop()
 
 
 async def test_the_proxy_in_the_path_means_no_engine_pause(sim_engine):
