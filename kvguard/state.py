@@ -19,19 +19,23 @@ It is JSON, ``{"version": 1, "engines": {"<engine url>": {"paused": true,
 "since": <unix time>}}}``, keyed by engine URL so that a kvguard pointed at another
 engine never resumes one it did not pause. Writes are atomic (a temporary file in
 the same directory, fsync, :func:`os.replace`, fsync of the directory): a crash
-mid-write leaves the old file or the new one, never half of one. A file that cannot
-be read or parsed is logged (``state_file_unreadable``) and treated as empty; a write
-that fails is logged (``state_file_write_failed``) and never stops the action.
+mid-write leaves the old file or the new one, never half of one. Several kvguards on
+one host (one per engine) share the file: each read-modify-write holds an exclusive
+``flock`` on ``.state.lock`` beside it, so no one's entry is lost to another's write.
+A file that cannot be read or parsed is logged (``state_file_unreadable``) and treated
+as empty; a write that fails is logged (``state_file_write_failed``) and never stops
+the action.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,10 @@ STATE_FILE_NAME = "state.json"
 STATE_VERSION = 1
 # A state file this large is not ours: refuse to read it rather than load it all.
 _MAX_STATE_BYTES = 1024 * 1024
+LOCK_FILE_NAME = ".state.lock"
+# Another kvguard holds the lock for one small write: milliseconds. Past this, write
+# anyway (logged): a pause must never wait on a stuck neighbour.
+_LOCK_WAIT_S = 2.0
 
 
 def state_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -106,16 +114,48 @@ class StateFile:
 
     def set_engine_paused(self, engine_url: str, paused: bool) -> bool:
         """Record (or clear) that kvguard paused ``engine_url``; False when the write failed."""
-        doc = self.load()
-        engines = doc.get("engines")
-        engines = dict(engines) if isinstance(engines, dict) else {}
-        if paused:
-            engines[engine_url] = {"paused": True, "since": round(self.wall_clock(), 3)}
-        elif engine_url in engines:
-            del engines[engine_url]
-        else:
-            return True  # nothing recorded, nothing to write
-        return self._write({"version": STATE_VERSION, "engines": engines})
+        with self._locked():
+            doc = self.load()
+            engines = doc.get("engines")
+            engines = dict(engines) if isinstance(engines, dict) else {}
+            if paused:
+                engines[engine_url] = {"paused": True, "since": round(self.wall_clock(), 3)}
+            elif engine_url in engines:
+                del engines[engine_url]
+            else:
+                return True  # nothing recorded, nothing to write
+            return self._write({"version": STATE_VERSION, "engines": engines})
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the exclusive lock beside the file for one read-modify-write.
+
+        Without it, two kvguards marking two engines at once could each read the old
+        document and the second write would drop the first one's entry. When the lock
+        cannot be had (an unwritable directory, a holder stuck for ``_LOCK_WAIT_S``),
+        the write goes ahead unlocked, logged: the note matters more than the race.
+        """
+        directory = self.path.parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(directory / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            yield  # the write will fail too, and say why
+            return
+        try:
+            deadline = time.monotonic() + _LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        log.warning("state_file_lock_timeout", path=str(self.path))
+                        break
+                    time.sleep(0.005)  # a neighbour's write takes milliseconds
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
 
     def _write(self, doc: dict[str, Any]) -> bool:
         directory = self.path.parent

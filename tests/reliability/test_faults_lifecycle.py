@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -96,7 +97,7 @@ def test_state_writes_are_whole_and_a_bad_file_is_ignored_with_a_reason(tmp_path
     assert not EnginePauseRecord(state, "http://127.0.0.1:9000").paused  # another engine
     record.mark(False)
     assert not record.paused
-    assert sorted(p.name for p in state.path.parent.iterdir()) == ["state.json"]
+    assert sorted(p.name for p in state.path.parent.iterdir()) == [".state.lock", "state.json"]
 
     for junk in ("{not json", '{"version": 99}', "[]"):
         state.path.write_text(junk)
@@ -115,6 +116,30 @@ def test_a_state_write_that_fails_is_logged_not_raised(tmp_path):
     with capture_logs() as logs:
         assert state.set_engine_paused("http://127.0.0.1:8000", True) is False
     assert [e["event"] for e in logs] == ["state_file_unreadable", "state_file_write_failed"]
+
+
+MARKER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from kvguard.state import StateFile
+    state, name = StateFile(Path(sys.argv[1])), sys.argv[2]
+    for n in range(40):
+        state.set_engine_paused(f"http://127.0.0.1:{name}{n:02d}", True)
+    """
+)
+
+
+def test_two_kvguards_writing_the_state_file_at_once_lose_no_entry(tmp_path):
+    """Two processes (one kvguard per engine) mark 40 engines each at once: all 80 are kept."""
+    path = tmp_path / "state.json"
+    writers = [
+        subprocess.Popen([sys.executable, "-c", MARKER, str(path), name]) for name in ("1", "2")
+    ]
+    assert [w.wait(timeout=60) for w in writers] == [0, 0]
+    engines = json.loads(path.read_text())["engines"]
+    assert len(engines) == 80
+    assert all(entry["paused"] is True for entry in engines.values())
 
 
 # ---------------------------------------------------------------------- SIGKILL
