@@ -92,6 +92,10 @@ class EngineProbe:
         # queueing another behind it every tick would pile up threads and copies of
         # the body, so samples fail fast until it ends (as the NVML probe does).
         self._parsing_bytes: int | None = None
+        # The scrape in progress, shared by concurrent callers (the tick and a drain
+        # watching the engine): one scrape and one parse, not two racing each other.
+        self._inflight: asyncio.Future[EngineStats] | None = None
+        self._waiters = 0
 
     @property
     def kind(self) -> EngineKind | None:
@@ -104,7 +108,24 @@ class EngineProbe:
         return ADAPTERS[self._kind].actions if self._kind is not None else frozenset()
 
     async def sample(self) -> EngineStats:
-        """Scrape the engine once; raises :class:`ProbeError` when its metrics cannot be read."""
+        """Scrape the engine once; raises :class:`ProbeError` when its metrics cannot be read.
+
+        A call made while another is in progress shares its scrape. A caller that
+        gives up (a timeout) leaves the scrape to the others; the last one to give up
+        cancels it, as a lone caller's timeout always did.
+        """
+        task = self._inflight
+        if task is None or task.done():
+            task = self._inflight = asyncio.ensure_future(self._sample_once())
+        self._waiters += 1
+        try:
+            return await asyncio.shield(task)
+        finally:
+            self._waiters -= 1
+            if self._waiters == 0 and not task.done():
+                task.cancel()
+
+    async def _sample_once(self) -> EngineStats:
         if self._parsing_bytes is not None:
             raise ProbeError(
                 PROBE_NAME,

@@ -235,8 +235,8 @@ async def test_an_exposition_cut_mid_line_is_malformed_not_a_crash(raw):
         await probe.close()
 
 
-def ten_megabytes() -> bytes:
-    """A valid vLLM exposition padded to 10 MB with many labelled series (LoRA-like).
+def ten_megabytes(size_bytes: int = 10_000_000) -> bytes:
+    """A valid vLLM exposition padded to 10 MB (or ``size_bytes``) with many labelled series.
 
     The padding belongs to a family the adapter reads (each series 0, so the sum stays
     right), placed with that family's own samples: series of families the adapter
@@ -246,7 +246,7 @@ def ten_megabytes() -> bytes:
     assert anchor in VLLM_TEXT
     rows = []
     size, i = len(VLLM_TEXT), 0
-    while size < 10_000_000:
+    while size < size_bytes:
         row = f'vllm:num_preemptions_total{{engine="0",model_name="m",lora="a-{i}"}} 0.0\n'
         rows.append(row.encode())
         size += len(row)
@@ -314,6 +314,48 @@ async def test_a_10_mb_exposition_is_parsed_off_the_loop_and_never_piles_up(tmp_
     finally:
         beating.cancel()
         await daemon.close()
+        await probe.close()
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_concurrent_samples_of_a_large_exposition_share_one_scrape(tmp_path):
+    """The tick and a drain sample at once (1 MB, parsed in a thread): one scrape, both read it.
+
+    The second caller used to fail with "still being parsed" while the first parsed.
+    A caller that gives up leaves the scrape to the other.
+    """
+    body = ten_megabytes(1_000_000)
+    runners: list[web.AppRunner] = []
+    scrapes = 0
+
+    async def metrics(_: web.Request) -> web.Response:
+        nonlocal scrapes
+        scrapes += 1
+        return web.Response(body=body, content_type="text/plain")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    url = await serve(app, runners)
+    probe = EngineProbe(url, kind="vllm", timeout_s=10)
+    try:
+        first, second = await asyncio.gather(probe.sample(), probe.sample())
+        assert first == second
+        assert first.up
+        assert scrapes == 1
+        # One of two callers gives up at once; the other still gets the figures.
+        quitter = asyncio.ensure_future(probe.sample())
+        stayer = asyncio.ensure_future(probe.sample())
+        await asyncio.sleep(0)
+        quitter.cancel()
+        assert (await stayer).up
+        assert quitter.cancelled()
+        assert scrapes == 2
+    finally:
         await probe.close()
         for runner in runners:
             await runner.cleanup()
