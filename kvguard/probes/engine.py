@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import aiohttp
@@ -44,6 +45,14 @@ _HTTP_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 class _UnavailableError(Exception):
     """An endpoint did not give a usable answer; ``str()`` says why (for ProbeError)."""
+
+
+@dataclass(eq=False)
+class _SharedScrape:
+    """One scrape in progress and how many callers wait for it."""
+
+    task: asyncio.Future[EngineStats]
+    waiters: int = 0
 
 
 class EngineProbe:
@@ -94,8 +103,7 @@ class EngineProbe:
         self._parsing_bytes: int | None = None
         # The scrape in progress, shared by concurrent callers (the tick and a drain
         # watching the engine): one scrape and one parse, not two racing each other.
-        self._inflight: asyncio.Future[EngineStats] | None = None
-        self._waiters = 0
+        self._shared: _SharedScrape | None = None
 
     @property
     def kind(self) -> EngineKind | None:
@@ -114,16 +122,30 @@ class EngineProbe:
         gives up (a timeout) leaves the scrape to the others; the last one to give up
         cancels it, as a lone caller's timeout always did.
         """
-        task = self._inflight
-        if task is None or task.done():
-            task = self._inflight = asyncio.ensure_future(self._sample_once())
-        self._waiters += 1
+        shared = self._shared
+        if shared is None:
+            shared = self._shared = _SharedScrape(asyncio.ensure_future(self._sample_once()))
+            shared.task.add_done_callback(lambda task: self._scrape_ended(shared, task))
+        shared.waiters += 1
         try:
-            return await asyncio.shield(task)
+            return await asyncio.shield(shared.task)
         finally:
-            self._waiters -= 1
-            if self._waiters == 0 and not task.done():
-                task.cancel()
+            shared.waiters -= 1
+            if shared.waiters == 0 and not shared.task.done():
+                # Nobody waits for it any more: stop it, and let no later caller join
+                # a scrape that is being cancelled (it would get a CancelledError).
+                self._drop(shared)
+                shared.task.cancel()
+
+    def _scrape_ended(self, shared: _SharedScrape, task: asyncio.Future[EngineStats]) -> None:
+        """Forget a finished scrape; its error counts as seen when no one was left to see it."""
+        self._drop(shared)
+        if not task.cancelled():
+            task.exception()  # else asyncio logs "Task exception was never retrieved"
+
+    def _drop(self, shared: _SharedScrape) -> None:
+        if self._shared is shared:
+            self._shared = None
 
     async def _sample_once(self) -> EngineStats:
         if self._parsing_bytes is not None:

@@ -344,7 +344,7 @@ async def test_concurrent_samples_of_a_large_exposition_share_one_scrape(tmp_pat
     probe = EngineProbe(url, kind="vllm", timeout_s=10)
     try:
         first, second = await asyncio.gather(probe.sample(), probe.sample())
-        assert first == second
+        assert first is second  # one parse, handed to both
         assert first.up
         assert scrapes == 1
         # One of two callers gives up at once; the other still gets the figures.
@@ -355,6 +355,39 @@ async def test_concurrent_samples_of_a_large_exposition_share_one_scrape(tmp_pat
         assert (await stayer).up
         assert quitter.cancelled()
         assert scrapes == 2
+    finally:
+        await probe.close()
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_a_caller_arriving_as_the_last_one_gives_up_gets_its_own_scrape(tmp_path):
+    """The tick gives up; a drain sampling in that same turn gets a scrape of its own.
+
+    It is never handed the scrape being cancelled (a CancelledError it never asked for).
+    """
+    runners: list[web.AppRunner] = []
+
+    async def metrics(_: web.Request) -> web.Response:
+        await asyncio.sleep(0.3)
+        return web.Response(body=VLLM_TEXT, content_type="text/plain")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    url = await serve(app, runners)
+    probe = EngineProbe(url, kind="vllm", timeout_s=10)
+    try:
+        tick = asyncio.ensure_future(probe.sample())
+        await asyncio.sleep(0.05)  # its scrape is out
+        tick.cancel()
+        drain = asyncio.ensure_future(probe.sample())  # the same turn of the loop
+        with pytest.raises(asyncio.CancelledError):
+            await tick
+        assert (await drain).up
     finally:
         await probe.close()
         for runner in runners:
