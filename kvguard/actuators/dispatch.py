@@ -217,15 +217,17 @@ class Actuators:
         self.paused = True
         result = await self.admin.pause()
         self.paused = result.ok
-        # Sent and failed is not known to be unpaused; never sent (unsupported) is.
-        self._resume_owed = result.ok or (result.supported and result.attempts > 0)
+        # A pause refused outright changes nothing (a resume still owed stays owed); one
+        # that timed out or hit a transient error may have paused the engine.
+        self._resume_owed = self._resume_owed or result.ok or result.uncertain
         self._admin_done(result)
 
     async def _resume(self) -> None:
         assert self.admin is not None  # noqa: S101 - launch checked it
         result = await self.admin.resume()
         self.paused = not result.ok
-        self._resume_owed = not result.ok
+        # Failed: the next release tries again. An engine with no resume cannot be asked.
+        self._resume_owed = not result.ok and result.supported
         self._admin_done(result)
 
     async def _resume_stale(self) -> None:

@@ -117,6 +117,9 @@ class AdminResult:
     supported: bool  # False: this engine has no such endpoint (by kind, or it answered 404/501)
     detail: str  # one line for logs/status: what happened and why (never the token)
     attempts: int
+    # Not ok, yet an attempt may have reached the engine and acted: it timed out or got
+    # a transient error (5xx, 429, a dropped connection) before the final answer.
+    uncertain: bool = False
 
 
 @dataclass(frozen=True)
@@ -273,20 +276,22 @@ class EngineAdmin:
             return AdminResult(action, False, False, self._unavailable[action], 0)
         step = _Step("fail", "no attempt made")
         made = 0
+        uncertain = False  # a transient failure may have acted before it failed
         for number in range(1, self._retries + 1):
             step = await attempt()
             made = number
             if step.verdict == "done":
                 return AdminResult(action, True, True, step.detail, number)
             if step.verdict == "fail":
-                return AdminResult(action, False, True, step.detail, number)
+                return AdminResult(action, False, True, step.detail, number, uncertain)
             if step.verdict == "unsupported":
                 self._mark_unavailable(action, step.detail)
-                return AdminResult(action, False, False, step.detail, number)
+                return AdminResult(action, False, False, step.detail, number, uncertain)
+            uncertain = True
             if number < self._retries:
                 await self._sleep(self._backoff_s * 2 ** (number - 1))
         detail = f"{step.detail}; gave up after {made} attempt{'s' if made > 1 else ''}"
-        return AdminResult(action, False, True, detail, made)
+        return AdminResult(action, False, True, detail, made, uncertain)
 
     def _not_offered(self, action: AdminAction) -> AdminResult:
         name = _ENGINE_NAMES[self._kind]

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from kvguard.actuators.dispatch import Actuators
@@ -211,9 +212,10 @@ async def test_a_pause_that_failed_after_it_acted_is_still_resumed_on_release():
         await engine.stop()
 
 
-async def test_a_pause_the_engine_lacks_owes_no_resume():
-    """An engine without the pause endpoint (404) was never paused: a release sends nothing."""
-    engine = SlowPauseEngine(pause_s=0.0, pause_status=404)
+@pytest.mark.parametrize("status", [404, 400], ids=["no-endpoint", "refused"])
+async def test_a_pause_refused_outright_owes_no_resume(status):
+    """No pause endpoint (404), or a pause refused (400): never paused, a release sends nothing."""
+    engine = SlowPauseEngine(pause_s=0.0, pause_status=status)
     await engine.start()
     actuators = _actuators(engine.url, shed_by_pause=True)
     actuators.set_kind("vllm")
