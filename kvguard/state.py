@@ -49,8 +49,9 @@ STATE_VERSION = 1
 _MAX_STATE_BYTES = 1024 * 1024
 LOCK_FILE_NAME = ".state.lock"
 # Another kvguard holds the lock for one small write: milliseconds. Past this, write
-# anyway (logged): a pause must never wait on a stuck neighbour.
-_LOCK_WAIT_S = 2.0
+# anyway (logged): a pause must never wait on a stuck neighbour, and the wait runs on
+# the event loop (the proxy and the ticks wait with it).
+_LOCK_WAIT_S = 0.25
 
 
 def state_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -132,15 +133,21 @@ class StateFile:
 
         Without it, two kvguards marking two engines at once could each read the old
         document and the second write would drop the first one's entry. When the lock
-        cannot be had (an unwritable directory, a holder stuck for ``_LOCK_WAIT_S``),
-        the write goes ahead unlocked, logged: the note matters more than the race.
+        cannot be had (a lock file kvguard may not open, a holder stuck for
+        ``_LOCK_WAIT_S``), the write goes ahead unlocked, logged: the note matters more
+        than the race.
         """
         directory = self.path.parent
         try:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(directory / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:
             yield  # the write will fail too, and say why
+            return
+        try:
+            fd = os.open(directory / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            log.warning("state_file_lock_unavailable", path=str(self.path), error=exc.strerror)
+            yield
             return
         try:
             deadline = time.monotonic() + _LOCK_WAIT_S
