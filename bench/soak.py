@@ -1,24 +1,28 @@
 """Soak: kvguard's proxy and daemon under hours-like mixed traffic, squeezed into minutes.
 
-On 127.0.0.1, in one process: a simulated vLLM with a small KV pool, kvguard in front
-of it (the live daemon and its admission proxy, :func:`kvguard.inprocess.start_guard`)
-and ``kvguard loadgen`` traffic through the proxy, in cycles of calm (steady, light)
-and pressure (bursts at 16x the concurrency, enough to make kvguard shed and clamp).
-After a warm-up (the first two cycles) it measures, at the quiet point that ends
-each cycle:
+On 127.0.0.1: a simulated vLLM with a small KV pool and ``kvguard loadgen`` traffic in
+this process, and kvguard itself as operators run it, ``kvguard run`` with its
+admission proxy enabled, in its own process (so the memory, descriptors and tasks
+measured are kvguard's, not the engine's or the load's). Traffic goes through the
+proxy in cycles of calm (steady, light) and pressure (bursts at 16x the concurrency,
+enough to make kvguard shed and clamp). After a warm-up (the first two cycles) it
+measures, at the quiet point that ends each cycle, of the kvguard process:
 
-* resident memory (RSS) of the process: growth from the end of the warm-up to the
-  end must stay under 10 %;
-* open file descriptors and asyncio tasks: no growth, the proxy's pool of idle
-  keep-alive upstream connections (bounded by its limit of 100) left out;
+* resident memory (RSS): growth from the end of the warm-up to the end must stay
+  under 10 %;
+* open file descriptors and asyncio tasks (``kvguard_event_loop_tasks``): no growth,
+  kvguard's keep-alive connections to the engine (the proxy's idle pool, bounded by its
+  limit of 100, and the probe's) left out of the descriptors;
 
 and over the whole run:
 
 * no lost request: every request the load generator sent ended as a success, a shed
   (429/503), or a clear error (a status or a stream error); none unfinished;
 * counters agree: the load generator's successes are the engine's completed
-  requests, its sheds are the proxy's (plus requests the proxy cancelled before
-  their answer began), and the engine received no more than the proxy forwarded.
+  requests, its sheds are the proxy's (``kvguard_requests_shed_total``, plus requests
+  the proxy cancelled before their answer began), and the engine received no more
+  than the proxy forwarded;
+* kvguard logged no error and exited 0 on SIGTERM.
 
     .venv/bin/python -m bench.soak [--duration-s 600] [--out bench/results/soak.json]
 
@@ -31,18 +35,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
+import contextlib
 import json
+import os
 import platform
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.actuators.proxy import AdmissionProxy
-from kvguard.inprocess import start_guard
+from kvguard.inprocess import free_port
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.loadgen_report import LoadReport
@@ -60,39 +68,151 @@ CALM_CONCURRENCY = 8
 PRESSURE_CONCURRENCY = 128
 WARMUP_CYCLES = 2
 RSS_GROWTH_LIMIT = 0.10
-FD_SLACK = 8  # keep-alive sockets of the proxy's upstream pool and the loadgen come and go
+FD_SLACK = 8  # keep-alive sockets of the loadgen come and go
 TASK_SLACK = 4
 SETTLE_S = 1.0  # after a cycle's load, before sampling: let cancelled handlers end
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 15.0
+
+Metrics = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
 
-def pooled_connections(proxy: AdmissionProxy) -> int:
-    """Idle keep-alive connections in the proxy's upstream pool (bounded by its limit)."""
-    session = proxy._session  # a benchmark may look inside
-    connector = session.connector if session is not None else None
-    conns = getattr(connector, "_conns", {})
-    return sum(len(idle) for idle in conns.values())
+def kvguard_command() -> list[str]:
+    """The installed ``kvguard`` next to this Python, else the module run by this Python."""
+    script = Path(sys.executable).parent / "kvguard"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from kvguard.cli import main; sys.exit(main())"]
 
 
-def sample(process: psutil.Process, proxy: AdmissionProxy) -> dict[str, float]:
-    """RSS, open descriptors and live asyncio tasks, now.
+def write_config(directory: Path, engine_url: str, api: str, proxy: str) -> Path:
+    """The config of the soak's kvguard: the engine, its API and proxy on loopback, live."""
+    poll = "\n".join(f"{key} = {value}" for key, value in POLL.items())
+    path = directory / "kvguard.toml"
+    path.write_text(
+        f'[engine]\nurl = "{engine_url}"\n'
+        f"[poll]\n{poll}\n"
+        f'[server]\nlisten = "{api}"\n'
+        f'[proxy]\nenabled = true\nlisten = "{proxy}"\n'
+        '[log]\nlevel = "warning"\nformat = "json"\n',
+        encoding="utf-8",
+    )
+    return path
 
-    The proxy's upstream pool keeps up to 100 idle keep-alive connections, grown to
-    the peak concurrency seen so far; in this one process each costs two descriptors
-    (the proxy's socket and the engine's) and one task (the engine's connection
-    handler). ``fds``/``tasks`` leave them out (bounded by design, not a leak);
-    ``fds_raw``/``tasks_raw`` are the plain counts.
+
+def parse_metrics(text: str) -> Metrics:
+    """Every sample of an exposition: name -> {sorted labels: value}."""
+    out: Metrics = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def total(metrics: Metrics, name: str) -> float:
+    """The sum of a metric's samples (0 when absent)."""
+    return sum(metrics.get(name, {}).values())
+
+
+def by_label(metrics: Metrics, name: str, *labels: str) -> dict[str, int]:
+    """A counter's samples keyed by the values of ``labels`` joined with '/'."""
+    out: dict[str, int] = {}
+    for key, value in sorted(metrics.get(name, {}).items()):
+        found = dict(key)
+        out["/".join(found.get(label, "") for label in labels)] = int(value)
+    return out
+
+
+class Kvguard:
+    """``kvguard run`` in its own process, its log in a file, its API scraped over HTTP."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, api_url: str, log_path: Path) -> None:
+        self.proc = proc
+        self.process = psutil.Process(proc.pid)
+        self.api_url = api_url
+        self.log_path = log_path
+        self._http: aiohttp.ClientSession | None = None
+
+    async def metrics(self) -> Metrics:
+        """The /metrics of this kvguard, parsed."""
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        async with self._http.get(f"{self.api_url}/metrics") as resp:
+            resp.raise_for_status()
+            return parse_metrics(await resp.text())
+
+    async def stop(self) -> int:
+        """SIGTERM, and its exit status (killed, -9, past ``STOP_TIMEOUT_S``)."""
+        if self._http is not None:
+            await self._http.close()
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT_S)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        return int(self.proc.returncode or 0)
+
+    def log_events(self) -> Iterator[dict[str, Any]]:
+        """The JSON log lines of this kvguard (any other line as ``{"event": "<text>"}``)."""
+        for line in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = {"event": line}
+            yield event if isinstance(event, dict) else {"event": line}
+
+
+async def start_kvguard(directory: Path, engine_url: str) -> tuple[Kvguard, str]:
+    """Start ``kvguard run`` against the engine; (the process, the proxy's URL) once it serves."""
+    api, proxy = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    config = write_config(directory, engine_url, api, proxy)
+    log_path = directory / "kvguard.log"
+    env = {**os.environ, "KVGUARD_STATE_DIR": str(directory / "state")}
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(
+            *kvguard_command(), "run", "--config", str(config), stderr=log_file, env=env
+        )
+    kvguard = Kvguard(proc, f"http://{api}", log_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    async with aiohttp.ClientSession() as http:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(f"http://{proxy}/v1/models") as resp:
+                    if resp.status == 200:
+                        return kvguard, f"http://{proxy}"
+            if proc.returncode is not None or time.monotonic() > deadline:
+                await kvguard.stop()
+                tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
+                raise RuntimeError(f"kvguard did not start serving its proxy:\n{tail}")
+            await asyncio.sleep(0.2)
+
+
+async def sample(kvguard: Kvguard, engine_port: int) -> dict[str, float]:
+    """The RSS, open descriptors and live asyncio tasks of kvguard, now.
+
+    The proxy's upstream pool keeps up to 100 idle keep-alive connections to the
+    engine, grown to the peak concurrency seen so far, and the probe keeps its own;
+    ``fds`` leaves them out (bounded by design, not a leak), ``fds_raw`` is the plain
+    count.
     """
-    gc.collect()  # garbage that a collection would free is not a leak
-    pooled = pooled_connections(proxy)
-    fds, tasks = process.num_fds(), len(asyncio.all_tasks())
+    process = kvguard.process
+    metrics = await kvguard.metrics()  # first: its own connection is then idle, not new
+    pooled = sum(
+        1
+        for conn in process.net_connections(kind="tcp")
+        if conn.raddr and conn.raddr.port == engine_port and conn.status == psutil.CONN_ESTABLISHED
+    )
+    fds = process.num_fds()
     return {
         "at_s": round(time.monotonic(), 3),
         "rss_bytes": process.memory_info().rss,
         "pooled_connections": pooled,
         "fds_raw": fds,
-        "tasks_raw": tasks,
-        "fds": fds - 2 * pooled,
-        "tasks": tasks - pooled,
+        "fds": fds - pooled,
+        "tasks": total(metrics, "kvguard_event_loop_tasks"),
+        "level": total(metrics, "kvguard_pressure_level"),
     }
 
 
@@ -106,18 +226,16 @@ def add_report(totals: dict[str, Any], report: LoadReport) -> None:
         totals["e2e_p99_s"] = max(totals["e2e_p99_s"], report.e2e_s.p99)
 
 
+LEVELS = ("ok", "elevated", "high", "critical")
+
+
 async def soak(duration_s: float, seed: int = 0) -> dict[str, Any]:
     """Run the soak for ``duration_s`` seconds; the results document (see the module doc)."""
     cycles = max(WARMUP_CYCLES + 2, round(duration_s / CYCLE_S))
-    process = psutil.Process()
     server = await start_sim_server(
         size_pool(POOL), time_model=TimeModel(step_fixed_s=0.004, per_token_s=0.00002), seed=seed
     )
-    daemon, runner, proxy_url = await start_guard(server.url, poll=POLL)
-    stop = asyncio.Event()
-    loop_task = asyncio.ensure_future(daemon.run(stop))
-    proxy = daemon.proxy
-    assert proxy is not None  # noqa: S101 - start_guard always builds it
+    engine_port = int(server.url.rsplit(":", 1)[1])
     totals: dict[str, Any] = {
         "sent": 0,
         "succeeded": 0,
@@ -129,57 +247,68 @@ async def soak(duration_s: float, seed: int = 0) -> dict[str, Any]:
     }
     samples: list[dict[str, float]] = []
     began = time.monotonic()
-    try:
-        for cycle in range(cycles):
-            for pattern, seconds, concurrency in (
-                ("steady", CALM_S, CALM_CONCURRENCY),
-                ("bursty_short", PRESSURE_S, PRESSURE_CONCURRENCY),
-            ):
-                report = await run_load(
-                    LoadConfig(
-                        proxy_url,
-                        pattern=pattern,
-                        duration_s=seconds,
-                        max_requests=100_000,
-                        concurrency=concurrency,
-                        seed=seed * 1000 + cycle,
-                        max_context=4096,
-                        request_timeout_s=30.0,
-                        grace_s=10.0,
+    with tempfile.TemporaryDirectory(prefix="kvguard-soak-") as tmp:
+        kvguard, proxy_url = await start_kvguard(Path(tmp), server.url)
+        exit_code: int | None = None
+        try:
+            for cycle in range(cycles):
+                for pattern, seconds, concurrency in (
+                    ("steady", CALM_S, CALM_CONCURRENCY),
+                    ("bursty_short", PRESSURE_S, PRESSURE_CONCURRENCY),
+                ):
+                    report = await run_load(
+                        LoadConfig(
+                            proxy_url,
+                            pattern=pattern,
+                            duration_s=seconds,
+                            max_requests=100_000,
+                            concurrency=concurrency,
+                            seed=seed * 1000 + cycle,
+                            max_context=4096,
+                            request_timeout_s=30.0,
+                            grace_s=10.0,
+                        )
                     )
+                    add_report(totals, report)
+                await asyncio.sleep(SETTLE_S)
+                samples.append({"cycle": cycle, **await sample(kvguard, engine_port)})
+                last = samples[-1]
+                sys.stdout.write(
+                    f"cycle {cycle + 1}/{cycles}: sent {totals['sent']} shed {totals['shed']}"
+                    f" kvguard rss {last['rss_bytes'] / 2**20:.1f} MiB fds {last['fds']}"
+                    f" tasks {last['tasks']:.0f} level {LEVELS[int(last['level'])]}\n"
                 )
-                add_report(totals, report)
-            await asyncio.sleep(SETTLE_S)
-            samples.append({"cycle": cycle, **sample(process, proxy)})
-            level = daemon.brain.decision.level if daemon.brain.decision else "ok"
-            sys.stdout.write(
-                f"cycle {cycle + 1}/{cycles}: sent {totals['sent']} shed {totals['shed']}"
-                f" rss {samples[-1]['rss_bytes'] / 2**20:.1f} MiB fds {samples[-1]['fds']}"
-                f" tasks {samples[-1]['tasks']} level {level}\n"
-            )
-            sys.stdout.flush()
-    finally:
-        stop.set()
-        await loop_task
-        await runner.cleanup()
-        await daemon.close()
-        await server.stop()
+                sys.stdout.flush()
+            metrics = await kvguard.metrics()
+        finally:
+            exit_code = await kvguard.stop()
+            await server.stop()
+        events = list(kvguard.log_events())
     wall_s = time.monotonic() - began
     stats = server.engine.stats
-    counters = proxy.counters
     proxy_doc = {
-        "shed": sum(counters.shed.values()),
-        "shed_by_reason": {f"{p}/{r}": n for (p, r), n in sorted(counters.shed.items())},
-        "clamped": counters.clamped,
-        "rejected": dict(counters.rejected),
-        "cancelled": dict(counters.cancelled),
-        "upstream_errors": dict(counters.upstream_errors),
+        "shed": int(total(metrics, "kvguard_requests_shed_total")),
+        "shed_by_reason": by_label(metrics, "kvguard_requests_shed_total", "priority", "reason"),
+        "clamped": int(total(metrics, "kvguard_requests_clamped_total")),
+        "rejected": {
+            k: v
+            for k, v in by_label(metrics, "kvguard_requests_rejected_total", "reason").items()
+            if v
+        },
+        "cancelled": by_label(metrics, "kvguard_requests_cancelled_total", "reason"),
+        "upstream_errors": by_label(metrics, "kvguard_proxy_errors_total", "code"),
     }
     engine_doc = {
         "requests_received": stats.requests_total,
         "finished": dict(stats.finished),
         "preemptions": stats.preemptions_total,
         "crashed": server.crashed.is_set(),
+    }
+    decisions = by_label(metrics, "kvguard_decisions_total", "action", "mode")
+    kvguard_doc = {
+        "exit_code": exit_code,
+        "errors_logged": [e for e in events if e.get("level") in ("error", "critical")][:10],
+        "warnings_logged": sum(1 for e in events if e.get("level") == "warning"),
     }
     return {
         "duration_s": round(wall_s, 1),
@@ -189,14 +318,15 @@ async def soak(duration_s: float, seed: int = 0) -> dict[str, Any]:
         "proxy": proxy_doc,
         "engine": engine_doc,
         "daemon": {
-            "ticks": daemon.state.ticks_total,
-            "tick_overruns": daemon.state.tick_overruns_total,
-            "loop_stalls": daemon.state.loop_stalls_total,
-            "loop_lag_max_s": round(daemon.state.loop_lag_max_s, 4),
-            "decisions": {f"{a}/{m}": n for (a, m), n in sorted(daemon.brain.counts.items()) if n},
+            "ticks": int(total(metrics, "kvguard_ticks_total")),
+            "tick_overruns": int(total(metrics, "kvguard_tick_overruns_total")),
+            "loop_stalls": int(total(metrics, "kvguard_event_loop_stalls_total")),
+            "loop_lag_max_s": round(total(metrics, "kvguard_event_loop_lag_max_seconds"), 4),
+            "decisions": {key: n for key, n in decisions.items() if n},
         },
+        "kvguard": kvguard_doc,
         "samples": samples,
-        "checks": checks(totals, proxy_doc, engine_doc, samples),
+        "checks": checks(totals, proxy_doc, engine_doc, samples, kvguard_doc),
         "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
     }
 
@@ -206,6 +336,7 @@ def checks(
     proxy: dict[str, Any],
     engine: dict[str, Any],
     samples: list[dict[str, float]],
+    kvguard: dict[str, Any],
 ) -> dict[str, dict[str, Any]]:
     """Every pass/fail check of the soak, each with the figures it compared."""
     after = samples[WARMUP_CYCLES - 1 :]  # from the quiet point that ends the warm-up
@@ -257,6 +388,11 @@ def checks(
             "forwarded_at_most": forwarded_max,
         },
         "engine_never_crashed": {"ok": not engine["crashed"]},
+        "kvguard_logged_no_error_and_exited_0": {
+            "ok": kvguard["exit_code"] == 0 and not kvguard["errors_logged"],
+            "exit_code": kvguard["exit_code"],
+            "errors": [e.get("event") for e in kvguard["errors_logged"]],
+        },
     }
 
 

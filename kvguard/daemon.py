@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ from kvguard.actuators.proxy import AdmissionProxy
 from kvguard.brain import Brain
 from kvguard.config import Config
 from kvguard.errors import InvalidInputError, KvguardError, ProbeError
+from kvguard.heap import TRIM_EVERY_S, trim_heap
 from kvguard.model.budget import BudgetReport, budget_inputs_from, plan_budget
 from kvguard.model.snapshot import EngineStats, GpuMemory, HostStats, Snapshot, SourceReading
 from kvguard.model_files import load_model_files
@@ -176,6 +178,7 @@ class DaemonState:
     loop_lag_s: float = 0.0  # how late the loop watchdog's latest wake-up was
     loop_lag_max_s: float = 0.0
     loop_stalls_total: int = 0
+    loop_tasks: int = 0  # asyncio tasks alive on the loop, sampled each second
 
 
 class LoopWatchdog:
@@ -201,7 +204,12 @@ class LoopWatchdog:
         """Watch until cancelled."""
         loop = asyncio.get_running_loop()
         state = self.state
-        while True:
+        # The task count costs a walk over every task: once a second is enough to see
+        # a leak (a count that grows at a steady load), not every wake-up.
+        count_every = max(1, round(1.0 / self.period_s))
+        for wake_up in itertools.count():
+            if wake_up % count_every == 0:
+                state.loop_tasks = len(asyncio.all_tasks(loop))
             due = loop.time() + self.period_s
             await asyncio.sleep(self.period_s)
             lag = max(0.0, loop.time() - due)
@@ -243,6 +251,10 @@ class Daemon:
         self._overrunning = False
         self.clock = clock
         self.wall_clock = wall_clock
+        # Freed heap pages go back to the kernel once a minute (kvguard.heap: RSS
+        # would otherwise creep up with fragmentation, like a leak).
+        self.trim_heap: Callable[[], bool] = trim_heap
+        self._heap_trimmed_at = clock()
         self.brain = Brain(config, dry_run=dry_run)
         self.mitigations = self.brain.mitigations
         self.proxy: AdmissionProxy | None = None  # set by the server when [proxy] is enabled
@@ -451,6 +463,13 @@ class Daemon:
                 return poll.min_interval_s
         return poll.interval_s
 
+    def maybe_trim_heap(self) -> None:
+        """Return freed heap memory to the kernel if ``TRIM_EVERY_S`` passed since the last time."""
+        now = self.clock()
+        if now - self._heap_trimmed_at >= TRIM_EVERY_S:
+            self._heap_trimmed_at = now
+            self.trim_heap()
+
     async def run(
         self,
         stop: asyncio.Event,
@@ -473,6 +492,7 @@ class Daemon:
                     result = after_tick(snapshot)
                     if result is not None:
                         await result
+                self.maybe_trim_heap()
                 elapsed = self.clock() - started
                 await self._wait(stop, max(0.0, self.next_interval() - elapsed))
         finally:

@@ -9,6 +9,7 @@ lines when stderr is not a terminal, a readable console otherwise.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import Iterator
@@ -112,6 +113,13 @@ class DaemonCollector(Collector):
             "kvguard_event_loop_stalls",
             "Times the event loop was stalled past the watchdog's threshold.",
             value=state.loop_stalls_total,
+        )
+        try:
+            tasks = len(asyncio.all_tasks())  # /metrics is served on the loop: counted now
+        except RuntimeError:  # collected off the loop (a test, a thread): the watchdog's count
+            tasks = state.loop_tasks
+        yield GaugeMetricFamily(
+            "kvguard_event_loop_tasks", "Asyncio tasks alive on kvguard's event loop.", value=tasks
         )
 
     def _fresh(self, source: str) -> bool:

@@ -478,6 +478,7 @@ async def test_run_serves_the_proxy_when_enabled(sim_engine, tmp_path):
         values = samples((await get(f"http://127.0.0.1:{api_port}/metrics"))[1])
         assert one(values, "kvguard_request_prompt_tokens_count") == 1
         assert one(values, "kvguard_inflight_requests") == 0
+        assert one(values, "kvguard_event_loop_tasks") >= 2  # the ticks, this handler, ...
         doc = json.loads((await get(f"http://127.0.0.1:{api_port}/status"))[1])
         assert doc["proxy"]["upstream"] == engine_url
         assert doc["mitigations"]["enforcing"] is True

@@ -811,6 +811,19 @@ def health_row() -> list[Json]:
             8,
         ),
         sized(
+            timeseries(
+                "Event loop tasks",
+                "Asyncio tasks alive on kvguard's loop (kvguard_event_loop_tasks): one per "
+                "open client connection of the proxy and the HTTP API, plus a few of "
+                "kvguard's own. It follows the traffic; a count that keeps rising at a "
+                "steady load is a leak.",
+                "short",
+                [target(sel("kvguard_event_loop_tasks"), "tasks")],
+            ),
+            12,
+            8,
+        ),
+        sized(
             stat(
                 "kvguard version",
                 "The running kvguard's version (kvguard_build_info).",
