@@ -101,12 +101,16 @@ class Inflight:
     def add(self, request: InflightRequest) -> None:
         """Start accounting a request."""
         self._requests[request.request_id] = request
-        self.prompt_tokens.observe(request.prompt_tokens)
 
     def done(self, request: InflightRequest) -> None:
-        """Stop accounting a request and record its final size."""
+        """Stop accounting a request and record its final sizes.
+
+        The prompt is observed here, not at the start: its count may have been an
+        estimate then, corrected by the engine's while the request ran.
+        """
         if self._requests.pop(request.request_id, None) is not None:
             self.kv_tokens.observe(request.footprint_tokens)
+            self.prompt_tokens.observe(request.prompt_tokens)
 
     def projected_tokens(self, block_size: int) -> int:
         """Tokens all in-flight requests will hold at most, each rounded up to whole blocks."""

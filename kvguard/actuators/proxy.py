@@ -78,6 +78,9 @@ HOP_BY_HOP = frozenset(
 )
 TOKENIZE_TIMEOUT_S = 0.25
 UNKNOWN_MAX_TOKENS = 512  # projection of a request that sets no max_tokens
+# Prompt counts asked of the engine in the background at once, at most; past it (the
+# engine tokenizes slowly) a request keeps its estimate, which errs high.
+MAX_BACKGROUND_COUNTS = 64
 # Requests of a shed class held for room, at most: this many pools' worth (projected).
 # One pool's worth sheds bursts the engine would have served within shed_wait_s; four
 # kept the simulator's bursty_short goodput within 5% of holding without a bound.
@@ -90,6 +93,15 @@ DRAIN_MESSAGE = (
     "kvguard cancelled this request: the engine is restarting to change its KV cache"
     " and the request did not finish within the drain timeout; retry later"
 )
+
+
+@dataclass(frozen=True)
+class _PromptCount:
+    """A prompt's token count as known without asking the engine."""
+
+    count: int
+    exact: bool  # token ids, or the engine's count from the cache; else an estimate
+    key: int  # the cache key (a hash of the prompt)
 
 
 @dataclass(frozen=True)
@@ -149,6 +161,7 @@ class AdmissionProxy:
         self.bytes_per_token = bytes_per_token
         self._tokens = TokenCache()
         self._tokenize_ok = True
+        self._counting: set[asyncio.Future[None]] = set()  # prompt counts asked in the background
         self._session: aiohttp.ClientSession | None = None
         self._upstream = settings.upstream.rstrip("/")
         # Set (and replaced) whenever a request finishes: waiters re-check for room.
@@ -202,6 +215,9 @@ class AdmissionProxy:
         return _error(status, message, "invalid_request_error", code=reason, headers=headers)
 
     async def _close(self, _: web.Application) -> None:
+        for task in list(self._counting):
+            task.cancel()
+        await asyncio.gather(*self._counting, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
@@ -258,18 +274,31 @@ class AdmissionProxy:
             return _error(400, malformed, "invalid_request_error", code="invalid_body")
         if not isinstance(payload, dict):
             return body, None  # an empty body: nothing to project or change
-        prompt = await self.prompt_tokens(payload, chat=chat)
+        # Critical requests are never refused for their size: a refusal loses them as
+        # surely as a shed would, and critical traffic is never shed.
+        prompt_cap, completion_cap = (
+            (None, None) if priority == "critical" else self.mitigations.window
+        )
+        # The engine's exact count is waited for only when it decides something now (a
+        # window cap, a hold for room, projected admission). Otherwise the request goes
+        # on with an estimate, corrected in the background when the engine answers:
+        # the /tokenize round trip was most of the latency the proxy adds.
+        known = self._known_prompt_tokens(payload, chat=chat)
+        decides = (
+            prompt_cap is not None
+            or completion_cap is not None
+            or shed_class
+            or self._admission_enforced()
+        )
+        prompt = known.count
+        if not known.exact and decides:
+            prompt = await self.prompt_tokens(payload, chat=chat)
         key = (
             "max_completion_tokens" if chat and "max_completion_tokens" in payload else "max_tokens"
         )
         requested = payload.get(key)
         max_tokens = (
             requested if isinstance(requested, int) and not isinstance(requested, bool) else None
-        )
-        # Critical requests are never refused for their size: a refusal loses them as
-        # surely as a shed would, and critical traffic is never shed.
-        prompt_cap, completion_cap = (
-            (None, None) if priority == "critical" else self.mitigations.window
         )
         if prompt_cap is not None and prompt > prompt_cap:
             self.counters.rejected["prompt_over_window"] += 1
@@ -300,6 +329,8 @@ class AdmissionProxy:
                 self.counters.clamped += 1
                 body = json.dumps(payload).encode()
         tracked = InflightRequest(request_id, priority, prompt, max_tokens)
+        if not known.exact and not decides:
+            self._count_later(tracked, payload, known.key, chat=chat)
         if shed_class and not await self._hold_for_room(tracked):
             return (
                 self._refuse_draining(priority)
@@ -329,6 +360,15 @@ class AdmissionProxy:
 
     def _draining(self) -> bool:
         return self.mitigations.draining and self.mitigations.enforcing
+
+    def _admission_enforced(self) -> bool:
+        """Whether projected admission checks each request against the pool now."""
+        mitigations = self.mitigations
+        return (
+            self.settings.admission == "projected"
+            and mitigations.enforcing
+            and mitigations.pool_tokens is not None
+        )
 
     def _refuse_draining(self, priority: str) -> web.StreamResponse:
         """The 503 for every class (critical too) while the engine is drained for a restart."""
@@ -476,6 +516,17 @@ class AdmissionProxy:
 
     async def prompt_tokens(self, payload: dict[str, Any], *, chat: bool) -> int:
         """The prompt's tokens: the engine's /tokenize (cached, bounded), else an estimate."""
+        known = self._known_prompt_tokens(payload, chat=chat)
+        if known.exact:
+            return known.count
+        count = await self._tokenize(payload, chat=chat)
+        if count is None:
+            count = known.count  # the estimate, remembered so the engine is not asked again
+        self._tokens.put(known.key, count)
+        return count
+
+    def _known_prompt_tokens(self, payload: dict[str, Any], *, chat: bool) -> _PromptCount:
+        """The prompt's tokens without asking the engine: ids, the cache, else an estimate."""
         subject: object = payload.get("messages") if chat else payload.get("prompt")
         if (
             isinstance(subject, list)
@@ -483,20 +534,36 @@ class AdmissionProxy:
             and subject
             and all(isinstance(t, int) for t in subject)
         ):
-            return len(subject)  # already token ids
+            return _PromptCount(len(subject), exact=True, key=0)  # already token ids
         text = json.dumps(subject, sort_keys=True)
         key = hash(text)
         cached = self._tokens.get(key)
         if cached is not None:
-            return cached
+            return _PromptCount(cached, exact=True, key=key)
+        if chat and isinstance(subject, list):
+            estimate = estimate_chat_tokens(subject)
+        else:
+            estimate = estimate_tokens(subject if isinstance(subject, str) else text)
+        return _PromptCount(estimate, exact=False, key=key)
+
+    def _count_later(
+        self, tracked: InflightRequest, payload: dict[str, Any], key: int, *, chat: bool
+    ) -> None:
+        """Ask the engine for the prompt's count while the request goes on; correct it then."""
+        if len(self._counting) >= MAX_BACKGROUND_COUNTS:
+            return  # the engine is slow to tokenize: the (high) estimate stands
+        task = asyncio.ensure_future(self._count_in_background(tracked, payload, key, chat=chat))
+        self._counting.add(task)
+        task.add_done_callback(self._counting.discard)
+
+    async def _count_in_background(
+        self, tracked: InflightRequest, payload: dict[str, Any], key: int, *, chat: bool
+    ) -> None:
         count = await self._tokenize(payload, chat=chat)
         if count is None:
-            if chat and isinstance(subject, list):
-                count = estimate_chat_tokens(subject)
-            else:
-                count = estimate_tokens(subject if isinstance(subject, str) else text)
+            count = tracked.prompt_tokens  # the estimate: not asked again
         self._tokens.put(key, count)
-        return count
+        tracked.prompt_tokens = count
 
     async def _tokenize(self, payload: dict[str, Any], *, chat: bool) -> int | None:
         if not self._tokenize_ok:

@@ -350,6 +350,74 @@ async def test_accounting_tracks_inflight_requests(sim_server, proxy_to):
     assert state.inflight.kv_tokens.count == 1
 
 
+@pytest.fixture
+async def tokenizing(serve):
+    """An engine whose /tokenize counts 500 tokens; (URL, calls, holder, settings).
+
+    With ``settings["after_completion"]`` it answers only once a completion arrived: a
+    proxy that waited for the count before forwarding would wait its whole tokenize
+    timeout and forward an estimate; one that forwards at once sees the count arrive
+    while the completion runs. The completion waits until the proxy has the count.
+    """
+    calls: list[str] = []
+    arrived = asyncio.Event()
+    holder: dict[str, AdmissionProxy] = {}
+    settings = {"after_completion": True}
+
+    async def tokenize(_: web.Request) -> web.Response:
+        calls.append("tokenize")
+        if settings["after_completion"]:
+            await asyncio.wait_for(arrived.wait(), 5)
+        return web.json_response({"count": 500})
+
+    async def complete(request: web.Request) -> web.Response:
+        calls.append("completion")
+        arrived.set()
+        proxy = holder["proxy"]
+        await _until(lambda: not proxy._counting)  # the background count is in
+        return web.json_response(
+            {"choices": [{"text": "x"}], "usage": {"prompt_tokens": 500, "completion_tokens": 3}}
+        )
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/completions", complete)
+    return await serve(app), calls, holder, settings
+
+
+async def test_at_ok_a_new_prompt_is_forwarded_before_its_count_and_corrected(tokenizing, proxy_to):
+    """No cap or hold in force: forwarded at once, the engine's count replaces the estimate."""
+    upstream, calls, holder, _ = tokenizing
+    proxy, state = await proxy_to(upstream, Mitigations())
+    holder["proxy"] = state
+    body = {"prompt": "a" * 30, "max_tokens": 3}  # estimated at 10 tokens
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{proxy}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+        assert sorted(calls) == ["completion", "tokenize"]  # asked, but not waited for
+        assert state.inflight.prompt_tokens.count == 1
+        assert state.inflight.prompt_tokens.total == 500  # observed at the end: the engine's
+        async with http.post(f"{proxy}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+    assert sorted(calls) == ["completion", "completion", "tokenize"]  # the count was cached
+
+
+async def test_a_window_cap_waits_for_the_engines_count(tokenizing, proxy_to):
+    """With a cap in force the count decides: the estimate (10) fits, the engine's (500) not."""
+    upstream, calls, holder, settings = tokenizing
+    settings["after_completion"] = False
+    mitigations = Mitigations(level="high", max_prompt_tokens=100)
+    proxy, state = await proxy_to(upstream, mitigations)
+    holder["proxy"] = state
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{proxy}/v1/completions", json={"prompt": "a" * 30, "max_tokens": 3}) as resp,
+    ):
+        assert resp.status == 400
+        assert (await resp.json())["error"]["code"] == "kv_window_exceeded"
+    assert calls == ["tokenize"]  # waited for, and never forwarded
+
+
 def _cancel() -> Action:
     return Action("cancel_largest", "test")
 
