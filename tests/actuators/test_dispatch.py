@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -190,15 +192,25 @@ async def test_the_last_wish_wins_and_a_flip_back_costs_no_call():
     assert engine.calls == ["pause", "resume"]
 
 
-async def test_a_pause_that_failed_after_it_acted_is_still_resumed_on_release():
-    """The engine paused, then answered 500: the pause counts as failed, yet a release resumes."""
-    engine = SlowPauseEngine(pause_s=0.0, pause_status=500)
+@contextlib.asynccontextmanager
+async def shed_by_pausing(pause_status: int) -> AsyncIterator[tuple[SlowPauseEngine, Actuators]]:
+    """An engine answering pauses with ``pause_status``, already asked to pause once."""
+    engine = SlowPauseEngine(pause_s=0.0, pause_status=pause_status)
     await engine.start()
     actuators = _actuators(engine.url, shed_by_pause=True)
     actuators.set_kind("vllm")
     try:
         assert actuators.launch(Action("shed", "test", priority="standard"))
         await _settle(actuators)
+        yield engine, actuators
+    finally:
+        await actuators.close()
+        await engine.stop()
+
+
+async def test_a_pause_that_failed_after_it_acted_is_still_resumed_on_release():
+    """The engine paused, then answered 500: the pause counts as failed, yet a release resumes."""
+    async with shed_by_pausing(500) as (engine, actuators):
         assert actuators.results[("pause", "failed")] == 1
         assert not actuators.paused  # not known to be paused: /metrics says 0
         assert engine.paused  # ... but it is
@@ -207,26 +219,14 @@ async def test_a_pause_that_failed_after_it_acted_is_still_resumed_on_release():
         assert not engine.paused
         assert engine.calls[-1] == "resume"
         assert not actuators.launch(Action("release", "test", target="shed"))  # resumed: done
-    finally:
-        await actuators.close()
-        await engine.stop()
 
 
 @pytest.mark.parametrize("status", [404, 400], ids=["no-endpoint", "refused"])
 async def test_a_pause_refused_outright_owes_no_resume(status):
     """No pause endpoint (404), or a pause refused (400): never paused, a release sends nothing."""
-    engine = SlowPauseEngine(pause_s=0.0, pause_status=status)
-    await engine.start()
-    actuators = _actuators(engine.url, shed_by_pause=True)
-    actuators.set_kind("vllm")
-    try:
-        assert actuators.launch(Action("shed", "test", priority="standard"))
-        await _settle(actuators)
+    async with shed_by_pausing(status) as (engine, actuators):
         assert not actuators.launch(Action("release", "test", target="shed"))
         assert engine.calls == ["pause"]
-    finally:
-        await actuators.close()
-        await engine.stop()
 
 
 async def test_the_proxy_in_the_path_means_no_engine_pause(sim_engine):

@@ -254,6 +254,26 @@ def ten_megabytes(size_bytes: int = 10_000_000) -> bytes:
     return VLLM_TEXT.replace(anchor, anchor + b"".join(rows))
 
 
+async def exposition_server(
+    body: bytes, runners: list[web.AppRunner], *, delay_s: float = 0.0
+) -> tuple[str, list[int]]:
+    """An engine serving ``body`` as its /metrics (after ``delay_s``): (URL, [scrapes])."""
+    scrapes = [0]
+
+    async def metrics(_: web.Request) -> web.Response:
+        scrapes[0] += 1
+        await asyncio.sleep(delay_s)
+        return web.Response(body=body, content_type="text/plain")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    return await serve(app, runners), scrapes
+
+
 async def test_a_10_mb_exposition_is_parsed_off_the_loop_and_never_piles_up(tmp_path):
     """10 MB (under the 16 MiB cap).
 
@@ -263,20 +283,7 @@ async def test_a_10_mb_exposition_is_parsed_off_the_loop_and_never_piles_up(tmp_
     """
     body = ten_megabytes()
     runners: list[web.AppRunner] = []
-    scrapes = 0
-
-    async def metrics(_: web.Request) -> web.Response:
-        nonlocal scrapes
-        scrapes += 1
-        return web.Response(body=body, content_type="text/plain")
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", health)
-    url = await serve(app, runners)
+    url, scrapes = await exposition_server(body, runners)
     config = parse_config({"engine": {"url": url}, "poll": {"timeout_s": 0.3}}, env={})
     probe = EngineProbe(url, kind="vllm", timeout_s=5)
     daemon = Daemon(config, probes=Probes(engine=probe, nvml=None, host=None))
@@ -302,7 +309,7 @@ async def test_a_10_mb_exposition_is_parsed_off_the_loop_and_never_piles_up(tmp_
         # The slow parse cost ticks, not the loop: it kept beating, and only one
         # scrape happened while the parse ran.
         assert beats > 10
-        assert scrapes == 1
+        assert scrapes == [1]
         assert tracker.errors_total == ticks
         errors = [e["error"] for e in logs if e["event"] == "probe_failed"]
         assert errors[0] == "timed out after 0.3 s"
@@ -327,26 +334,13 @@ async def test_concurrent_samples_of_a_large_exposition_share_one_scrape(tmp_pat
     """
     body = ten_megabytes(1_000_000)
     runners: list[web.AppRunner] = []
-    scrapes = 0
-
-    async def metrics(_: web.Request) -> web.Response:
-        nonlocal scrapes
-        scrapes += 1
-        return web.Response(body=body, content_type="text/plain")
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", health)
-    url = await serve(app, runners)
+    url, scrapes = await exposition_server(body, runners)
     probe = EngineProbe(url, kind="vllm", timeout_s=10)
     try:
         first, second = await asyncio.gather(probe.sample(), probe.sample())
         assert first is second  # one parse, handed to both
         assert first.up
-        assert scrapes == 1
+        assert scrapes == [1]
         # One of two callers gives up at once; the other still gets the figures.
         quitter = asyncio.ensure_future(probe.sample())
         stayer = asyncio.ensure_future(probe.sample())
@@ -354,7 +348,7 @@ async def test_concurrent_samples_of_a_large_exposition_share_one_scrape(tmp_pat
         quitter.cancel()
         assert (await stayer).up
         assert quitter.cancelled()
-        assert scrapes == 2
+        assert scrapes == [2]
     finally:
         await probe.close()
         for runner in runners:
@@ -367,18 +361,7 @@ async def test_a_caller_arriving_as_the_last_one_gives_up_gets_its_own_scrape(tm
     It is never handed the scrape being cancelled (a CancelledError it never asked for).
     """
     runners: list[web.AppRunner] = []
-
-    async def metrics(_: web.Request) -> web.Response:
-        await asyncio.sleep(0.3)
-        return web.Response(body=VLLM_TEXT, content_type="text/plain")
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", health)
-    url = await serve(app, runners)
+    url, _ = await exposition_server(VLLM_TEXT, runners, delay_s=0.3)
     probe = EngineProbe(url, kind="vllm", timeout_s=10)
     try:
         tick = asyncio.ensure_future(probe.sample())
