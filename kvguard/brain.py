@@ -93,6 +93,9 @@ class Brain:
         self.dry_run = dry_run
         self.mitigations = mitigations or Mitigations()
         self.mitigations.enforcing = not dry_run
+        # When an operator switched to dry-run (/control/dry-run); None: live, or dry-run
+        # from the start. What the ladder records after it never ran (kvguard.server).
+        self.dry_run_since: float | None = None
         self.samples: deque[TickSample] = deque()
         self.guard = GuardState()
         self.forecast: Forecast | None = None

@@ -483,6 +483,7 @@ def _act(request: web.Request, daemon: Daemon, action: str) -> web.Response:
         daemon.dry_run = daemon.brain.dry_run = dry_run
         if changed:
             _forget_unreal_actions(daemon)
+            daemon.brain.dry_run_since = daemon.clock() if dry_run else None
         # Every (action, mode) series from 0 for the new mode: one that appears at its
         # first increment is one increase() cannot see.
         modes = ("dry_run",) if dry_run else ("applied", "started", "not_applied")
@@ -531,15 +532,29 @@ def _forget_unreal_actions(daemon: Daemon) -> None:
     asynchronous actions without any of them running; kept, they would make the
     first live ticks revert a switch that never happened. The engine's KV cache is
     what the reconfigurer says (off without one), and no asynchronous action is in
-    force: the ladder decides them afresh.
+    force: the ladder decides them afresh. Going live, the cooldowns and the restart
+    budget those unreal actions used since dry-run began are given back too: a first
+    real switch must not wait out the cooldown of one that never ran.
     """
     actuators = daemon.actuators
     reconfigurer = actuators.reconfigurer if actuators is not None else None
     brain = daemon.brain
     brain.fp8_result(fp8_on=reconfigurer is not None and reconfigurer.fp8)
     guard = brain.guard
+    active = {k: v for k, v in guard.active.items() if k not in ASYNC_ACTIONS}
+    if brain.dry_run:
+        brain.guard = replace(guard, active=active)
+        return
+    since = brain.dry_run_since if brain.dry_run_since is not None else -math.inf
     brain.guard = replace(
-        guard, active={k: v for k, v in guard.active.items() if k not in ASYNC_ACTIONS}
+        guard,
+        active=active,
+        last_action_at={
+            kind: at
+            for kind, at in guard.last_action_at.items()
+            if kind not in ASYNC_ACTIONS or at < since
+        },
+        restarts=tuple(at for at in guard.restarts if at < since),
     )
 
 

@@ -251,14 +251,25 @@ async def test_going_live_forgets_what_dry_run_only_recorded(guarded, engine_fp8
             Action("kv_fp8", "test"),
             Action("evict", "test"),
         ]
+        since = daemon.brain.dry_run_since
+        assert since is not None
+        before, during = since - 100.0, since + 1.0  # a real switch before, a dry-run one after
         daemon.brain.guard = GuardState(
-            level="critical", fp8_on=True, active={a.kind: a for a in recorded}
+            level="critical",
+            fp8_on=True,
+            active={a.kind: a for a in recorded},
+            last_action_at={"shed": during, "kv_fp8": during, "evict": before},
+            restarts=(before, during),
         )
         status, _, _ = await call(http, "POST", f"{api}/control/live", token=TOKEN)
         assert status == 200
     guard = daemon.brain.guard
     assert guard.fp8_on is engine_fp8
     assert set(guard.active) == {"shed"}  # in force through the proxy: kept
+    # The dry-run switch's cooldown and restart are given back; the real ones stay.
+    assert guard.last_action_at == {"shed": during, "evict": before}
+    assert guard.restarts == (before,)
+    assert daemon.brain.dry_run_since is None
 
 
 async def test_mode_switches_are_refused_during_an_fp8_drain(guarded):
