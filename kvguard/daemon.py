@@ -26,6 +26,7 @@ from kvguard.errors import InvalidInputError, KvguardError, ProbeError
 from kvguard.heap import TRIM_EVERY_S, trim_heap
 from kvguard.model.budget import BudgetReport, budget_inputs_from, plan_budget
 from kvguard.model.snapshot import EngineStats, GpuMemory, HostStats, Snapshot, SourceReading
+from kvguard.model.units import DTYPE_BYTES
 from kvguard.model_files import load_model_files
 from kvguard.probes.base import Probe
 from kvguard.probes.engine import EngineProbe
@@ -55,16 +56,23 @@ DEFAULT_LOOP_STALL_S = 1.0
 TICK_OVERRUN_MARGIN_S = 0.5
 
 
-def budget_for(config: Config, gpu_memory_bytes: int | None) -> BudgetReport | None:
+def budget_for(
+    config: Config, gpu_memory_bytes: int | None, kv_cache_dtype: str | None = None
+) -> BudgetReport | None:
     """The VRAM budget of ``config``'s ``[model]`` on GPUs of ``gpu_memory_bytes``.
 
-    None without ``model.config``; raises :class:`KvguardError` for an unusable one.
+    ``kv_cache_dtype`` replaces ``[model] kv_cache_dtype`` (the engine's, after an fp8
+    switch). None without ``model.config``; raises :class:`KvguardError` for an
+    unusable one.
     """
     model = config.model
     if model.config is None:
         return None
     files = load_model_files(model.config)
-    inputs = budget_inputs_from(model, gpu_memory_bytes=gpu_memory_bytes)
+    overrides: dict[str, object] = {"gpu_memory_bytes": gpu_memory_bytes}
+    if kv_cache_dtype is not None:
+        overrides["kv_cache_dtype"] = kv_cache_dtype
+    inputs = budget_inputs_from(model, **overrides)
     return plan_budget(
         files.config, inputs, index_total_size=files.index_total_size, source=files.source
     )
@@ -268,6 +276,9 @@ class Daemon:
         self.state = DaemonState(started_at=clock())
         self.state.trackers = {name: ProbeTracker(p) for name, p in self.probes.all().items()}
         self._budget_memory: int | None = None
+        # The engine's 8-bit KV dtype while [model] says otherwise (kvguard's fp8 switch,
+        # or an operator's): the budget follows the engine, or every figure is 2x off.
+        self._engine_kv_dtype: str | None = None
         self.version = __version__
         self._reported_mismatch: int | None = None
         self._engine_cache: dict[str, object] | None = None
@@ -285,7 +296,7 @@ class Daemon:
         memory = gpu.memory_bytes or nvml_total
         if self.state.budget is not None and memory == self._budget_memory:
             return
-        self.state.budget = budget_for(self.config, memory)
+        self.state.budget = budget_for(self.config, memory, self._engine_kv_dtype)
         self._budget_memory = memory
         assert self.state.budget is not None  # noqa: S101 - model.config is set
         log.info(
@@ -293,8 +304,39 @@ class Daemon:
             model=model.config,
             gpu_memory_bytes=self.state.budget.budget.gpu_memory_bytes,
             kv_capacity_tokens=self.state.budget.budget.kv_capacity_tokens,
+            kv_cache_dtype=self.state.budget.budget.kv_cache_dtype,
             fits=self.state.budget.budget.fits,
         )
+
+    def _follow_engine_kv_dtype(self, engine: EngineStats) -> None:
+        """Budget with the engine's 8-bit KV dtype while ``[model]`` names a wider one.
+
+        After an fp8 switch (kvguard's, or an operator's restart with
+        ``--kv-cache-dtype fp8``) the engine holds twice the tokens the configured
+        dtype gives: without this, the budget and its reconciliation report a 2x
+        mismatch for as long as the switch lasts. Back to a wider dtype, back to the
+        configured one. An engine that does not say its dtype changes nothing.
+        """
+        reported = (engine.cache_dtype or "").strip().lower()
+        if not reported or reported == "auto":
+            return
+        configured = self.config.model.kv_cache_dtype.strip().lower()
+        eight_bit = DTYPE_BYTES.get(reported) == 1
+        follow = reported if eight_bit and DTYPE_BYTES.get(configured) != 1 else None
+        if follow == self._engine_kv_dtype:
+            return
+        self._engine_kv_dtype = follow
+        if self.config.model.config is None:
+            return
+        log.info(
+            "budget_follows_engine_kv_dtype",
+            engine_kv_cache_dtype=reported,
+            configured_kv_cache_dtype=configured,
+            budget_kv_cache_dtype=follow or configured,
+        )
+        self.state.budget = None  # recomputed now, with the dtype that holds
+        self._reported_mismatch = None
+        self._refresh_budget_safely(self._nvml_total)
 
     # ------------------------------------------------------------------ one tick
     async def tick(self) -> Snapshot:
@@ -391,7 +433,7 @@ class Daemon:
             return None
         return tracker.value if tracker.ok else replace(tracker.value, up=False)
 
-    def _refresh_budget_safely(self, nvml_total: int) -> None:
+    def _refresh_budget_safely(self, nvml_total: int | None) -> None:
         try:
             self.refresh_budget(nvml_total)
         except KvguardError as exc:  # keep the previous budget; say why once
@@ -402,6 +444,7 @@ class Daemon:
     def _reconcile(self, engine: EngineStats | None) -> None:
         if engine is not None:
             self._notice_cache_change(engine)
+            self._follow_engine_kv_dtype(engine)
         budget = self.state.budget
         if budget is None or engine is None or engine.kv_capacity_tokens is None:
             return
@@ -519,7 +562,7 @@ class Daemon:
             old.model != config.model or old.gpu.memory_bytes != config.gpu.memory_bytes
         )
         budget = (
-            budget_for(config, config.gpu.memory_bytes or self._nvml_total)
+            budget_for(config, config.gpu.memory_bytes or self._nvml_total, self._engine_kv_dtype)
             if budget_changed
             else None
         )

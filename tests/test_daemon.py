@@ -167,6 +167,31 @@ async def test_budget_uses_nvml_total_and_reconciles_with_the_engine():
     assert len(mismatches) == 1  # once per reported value, not every tick
 
 
+async def test_the_budget_follows_the_engine_to_an_fp8_kv_cache_and_back():
+    """After an fp8 switch the budget holds twice the tokens; back to bf16, as configured."""
+    daemon, probes, clock = make({"model": {"config": "llama-3.1-8b", "max_model_len": 8192}})
+    await daemon.tick()
+    assert daemon.state.budget is not None
+    configured = daemon.state.budget.budget
+    assert configured.kv_cache_dtype == "bf16"
+    probes.engine.value = engine_stats(cache_dtype="fp8")  # type: ignore[union-attr]
+    clock.now += 0.5
+    with capture_logs() as logs:
+        await daemon.tick()
+        clock.now += 0.5
+        await daemon.tick()
+    switched = daemon.state.budget.budget
+    assert switched.kv_cache_dtype == "fp8"
+    assert switched.kv_bytes_per_token * 2 == configured.kv_bytes_per_token
+    assert switched.kv_capacity_tokens > 1.9 * configured.kv_capacity_tokens
+    assert [e["event"] for e in logs].count("budget_follows_engine_kv_dtype") == 1
+    probes.engine.value = engine_stats(cache_dtype="bfloat16")  # type: ignore[union-attr]
+    clock.now += 0.5
+    await daemon.tick()
+    assert daemon.state.budget.budget.kv_cache_dtype == "bf16"
+    assert daemon.state.budget.budget.kv_capacity_tokens == configured.kv_capacity_tokens
+
+
 async def test_configured_gpu_memory_wins_over_nvml():
     """[gpu] memory fixes the budget's GPU size."""
     daemon, _, _ = make({"model": {"config": "llama-3.1-8b"}, "gpu": {"memory": "40GiB"}})
