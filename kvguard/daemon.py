@@ -318,25 +318,34 @@ class Daemon:
         configured one. An engine that does not say its dtype changes nothing.
         """
         reported = (engine.cache_dtype or "").strip().lower()
-        if not reported or reported == "auto":
+        if not reported:
             return
         configured = self.config.model.kv_cache_dtype.strip().lower()
+        # "auto" (the model's dtype: what a revert restarts with) or any wider one: back
+        # to the configured dtype.
         eight_bit = DTYPE_BYTES.get(reported) == 1
         follow = reported if eight_bit and DTYPE_BYTES.get(configured) != 1 else None
         if follow == self._engine_kv_dtype:
             return
-        self._engine_kv_dtype = follow
         if self.config.model.config is None:
+            self._engine_kv_dtype = follow
             return
+        try:  # computed first: a failure keeps the budget there is
+            budget = budget_for(self.config, self._budget_memory, follow)
+        except KvguardError as exc:
+            if self.state.budget_error != str(exc):
+                log.warning("budget_failed", error=str(exc))
+            self.state.budget_error = str(exc)
+            return
+        self._engine_kv_dtype = follow
+        self.state.budget = budget
+        self._reported_mismatch = None
         log.info(
             "budget_follows_engine_kv_dtype",
             engine_kv_cache_dtype=reported,
             configured_kv_cache_dtype=configured,
             budget_kv_cache_dtype=follow or configured,
         )
-        self.state.budget = None  # recomputed now, with the dtype that holds
-        self._reported_mismatch = None
-        self._refresh_budget_safely(self._nvml_total)
 
     # ------------------------------------------------------------------ one tick
     async def tick(self) -> Snapshot:

@@ -333,7 +333,11 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
     proxy = daemon.proxy
     if proxy is None:
         return None
-    per_token = proxy.bytes_per_token
+    # The current budget's (it follows an fp8 switch and reloads), else what the proxy had.
+    budget = daemon.state.budget
+    per_token = (
+        budget.budget.kv_bytes_per_token_per_gpu if budget is not None else proxy.bytes_per_token
+    )
     return {
         "listen": proxy.settings.listen,
         "upstream": proxy.settings.upstream,

@@ -88,7 +88,8 @@ class Inflight:
     """The registry of in-flight requests and the size histograms."""
 
     def __init__(self) -> None:
-        self._requests: dict[str, InflightRequest] = {}
+        # Keyed by the request itself: ids come from clients (X-Request-Id) and may repeat.
+        self._requests: dict[InflightRequest, InflightRequest] = {}
         self.kv_tokens = Histogram(TOKEN_BUCKETS)  # footprint at the end of each request
         self.prompt_tokens = Histogram(TOKEN_BUCKETS)
 
@@ -100,7 +101,7 @@ class Inflight:
 
     def add(self, request: InflightRequest) -> None:
         """Start accounting a request."""
-        self._requests[request.request_id] = request
+        self._requests[request] = request
 
     def done(self, request: InflightRequest) -> None:
         """Stop accounting a request and record its final sizes.
@@ -108,7 +109,7 @@ class Inflight:
         The prompt is observed here, not at the start: its count may have been an
         estimate then, corrected by the engine's while the request ran.
         """
-        if self._requests.pop(request.request_id, None) is not None:
+        if self._requests.pop(request, None) is not None:
             self.kv_tokens.observe(request.footprint_tokens)
             self.prompt_tokens.observe(request.prompt_tokens)
 

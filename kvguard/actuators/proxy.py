@@ -80,7 +80,7 @@ TOKENIZE_TIMEOUT_S = 0.25
 UNKNOWN_MAX_TOKENS = 512  # projection of a request that sets no max_tokens
 # Prompt counts asked of the engine in the background at once, at most; past it (the
 # engine tokenizes slowly) a request keeps its estimate, which errs high.
-MAX_BACKGROUND_COUNTS = 64
+MAX_BACKGROUND_COUNTS = 16  # they share the upstream pool with the requests forwarded
 # Requests of a shed class held for room, at most: this many pools' worth (projected).
 # One pool's worth sheds bursts the engine would have served within shed_wait_s; four
 # kept the simulator's bursty_short goodput within 5% of holding without a bound.
@@ -293,6 +293,10 @@ class AdmissionProxy:
         prompt = known.count
         if not known.exact and decides:
             prompt = await self.prompt_tokens(payload, chat=chat)
+            # What is in force now, not before the wait (up to TOKENIZE_TIMEOUT_S).
+            prompt_cap, completion_cap = (
+                (None, None) if priority == "critical" else self.mitigations.window
+            )
         key = (
             "max_completion_tokens" if chat and "max_completion_tokens" in payload else "max_tokens"
         )
@@ -554,14 +558,19 @@ class AdmissionProxy:
             return  # the engine is slow to tokenize: the (high) estimate stands
         task = asyncio.ensure_future(self._count_in_background(tracked, payload, key, chat=chat))
         self._counting.add(task)
-        task.add_done_callback(self._counting.discard)
+        task.add_done_callback(self._count_ended)
+
+    def _count_ended(self, task: asyncio.Future[None]) -> None:
+        self._counting.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("prompt_count_failed", error=repr(task.exception())[:200])
 
     async def _count_in_background(
         self, tracked: InflightRequest, payload: dict[str, Any], key: int, *, chat: bool
     ) -> None:
         count = await self._tokenize(payload, chat=chat)
         if count is None:
-            count = tracked.prompt_tokens  # the estimate: not asked again
+            return  # the estimate stands; not cached, so a later cap asks the engine again
         self._tokens.put(key, count)
         tracked.prompt_tokens = count
 

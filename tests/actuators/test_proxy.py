@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
+from kvguard.actuators.accounting import Inflight, InflightRequest
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import HELD_POOLS, AdmissionProxy, ProxySettings, _error
 from kvguard.config import parse_config
@@ -416,6 +417,48 @@ async def test_a_window_cap_waits_for_the_engines_count(tokenizing, proxy_to):
         assert resp.status == 400
         assert (await resp.json())["error"]["code"] == "kv_window_exceeded"
     assert calls == ["tokenize"]  # waited for, and never forwarded
+
+
+async def test_caps_released_while_the_count_is_asked_are_not_applied(serve, proxy_to):
+    """The caps in force after the /tokenize wait decide, not those before it."""
+    asked, answer = asyncio.Event(), asyncio.Event()
+
+    async def tokenize(_: web.Request) -> web.Response:
+        asked.set()
+        await asyncio.wait_for(answer.wait(), 5)
+        return web.json_response({"count": 500})
+
+    async def complete(_: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/completions", complete)
+    upstream = await serve(app)
+    mitigations = Mitigations(level="high", max_prompt_tokens=100)
+    proxy, _ = await proxy_to(upstream, mitigations)
+    async with aiohttp.ClientSession() as http:
+        sent = asyncio.ensure_future(
+            http.post(f"{proxy}/v1/completions", json={"prompt": "a" * 30, "max_tokens": 3})
+        )
+        await asyncio.wait_for(asked.wait(), 5)
+        mitigations.max_prompt_tokens = None  # released while the count is out
+        answer.set()
+        async with await sent as resp:
+            assert resp.status == 200  # 500 tokens, but no cap is in force any more
+
+
+def test_requests_with_the_same_client_id_are_accounted_apart():
+    """X-Request-Id comes from clients: two in flight with one id are two requests."""
+    inflight = Inflight()
+    first = InflightRequest("same", "standard", 100, 10)
+    second = InflightRequest("same", "standard", 200, 10)
+    inflight.add(first)
+    inflight.add(second)
+    assert len(inflight) == 2
+    inflight.done(first)
+    assert list(inflight) == [second]
+    assert inflight.prompt_tokens.count == 1
 
 
 def _cancel() -> Action:
