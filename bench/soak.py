@@ -48,9 +48,9 @@ from typing import Any
 
 import aiohttp
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.inprocess import free_port
+from kvguard.probes.engines.base import Samples, parse_exposition
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.loadgen_report import LoadReport
@@ -73,8 +73,6 @@ TASK_SLACK = 4
 SETTLE_S = 1.0  # after a cycle's load, before sampling: let cancelled handlers end
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
-
-Metrics = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
 
 def kvguard_command() -> list[str]:
@@ -100,27 +98,17 @@ def write_config(directory: Path, engine_url: str, api: str, proxy: str) -> Path
     return path
 
 
-def parse_metrics(text: str) -> Metrics:
-    """Every sample of an exposition: name -> {sorted labels: value}."""
-    out: Metrics = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
-    return out
-
-
-def total(metrics: Metrics, name: str) -> float:
+def total(metrics: Samples, name: str) -> float:
     """The sum of a metric's samples (0 when absent)."""
-    return sum(metrics.get(name, {}).values())
+    return metrics.total(name) or 0.0
 
 
-def by_label(metrics: Metrics, name: str, *labels: str) -> dict[str, int]:
+def by_label(metrics: Samples, name: str, *labels: str) -> dict[str, int]:
     """A counter's samples keyed by the values of ``labels`` joined with '/'."""
-    out: dict[str, int] = {}
-    for key, value in sorted(metrics.get(name, {}).items()):
-        found = dict(key)
-        out["/".join(found.get(label, "") for label in labels)] = int(value)
-    return out
+    keyed = {
+        "/".join(found.get(label, "") for label in labels): v for found, v in metrics.series(name)
+    }
+    return {key: int(value) for key, value in sorted(keyed.items())}
 
 
 class Kvguard:
@@ -133,13 +121,13 @@ class Kvguard:
         self.log_path = log_path
         self._http: aiohttp.ClientSession | None = None
 
-    async def metrics(self) -> Metrics:
+    async def metrics(self) -> Samples:
         """The /metrics of this kvguard, parsed."""
         if self._http is None:
             self._http = aiohttp.ClientSession()
         async with self._http.get(f"{self.api_url}/metrics") as resp:
             resp.raise_for_status()
-            return parse_metrics(await resp.text())
+            return parse_exposition(await resp.text())
 
     async def stop(self) -> int:
         """SIGTERM, and its exit status (killed, -9, past ``STOP_TIMEOUT_S``)."""
