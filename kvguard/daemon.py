@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -186,7 +185,6 @@ class DaemonState:
     loop_lag_s: float = 0.0  # how late the loop watchdog's latest wake-up was
     loop_lag_max_s: float = 0.0
     loop_stalls_total: int = 0
-    loop_tasks: int = 0  # asyncio tasks alive on the loop, sampled each second
 
 
 class LoopWatchdog:
@@ -212,12 +210,7 @@ class LoopWatchdog:
         """Watch until cancelled."""
         loop = asyncio.get_running_loop()
         state = self.state
-        # The task count costs a walk over every task: once a second is enough to see
-        # a leak (a count that grows at a steady load), not every wake-up.
-        count_every = max(1, round(1.0 / self.period_s))
-        for wake_up in itertools.count():
-            if wake_up % count_every == 0:
-                state.loop_tasks = len(asyncio.all_tasks(loop))
+        while True:
             due = loop.time() + self.period_s
             await asyncio.sleep(self.period_s)
             lag = max(0.0, loop.time() - due)
@@ -333,9 +326,7 @@ class Daemon:
         try:  # computed first: a failure keeps the budget there is
             budget = budget_for(self.config, self._budget_memory, follow)
         except KvguardError as exc:
-            if self.state.budget_error != str(exc):
-                log.warning("budget_failed", error=str(exc))
-            self.state.budget_error = str(exc)
+            self._budget_failed(exc)
             return
         self._engine_kv_dtype = follow
         self.state.budget = budget
@@ -446,9 +437,13 @@ class Daemon:
         try:
             self.refresh_budget(nvml_total)
         except KvguardError as exc:  # keep the previous budget; say why once
-            if self.state.budget_error != str(exc):
-                log.warning("budget_failed", error=str(exc))
-            self.state.budget_error = str(exc)
+            self._budget_failed(exc)
+
+    def _budget_failed(self, exc: KvguardError) -> None:
+        """Log a budget that could not be computed, once per distinct reason."""
+        if self.state.budget_error != str(exc):
+            log.warning("budget_failed", error=str(exc))
+        self.state.budget_error = str(exc)
 
     def _reconcile(self, engine: EngineStats | None) -> None:
         if engine is not None:

@@ -116,8 +116,8 @@ class DaemonCollector(Collector):
         )
         try:
             tasks = len(asyncio.all_tasks())  # /metrics is served on the loop: counted now
-        except RuntimeError:  # collected off the loop (a test, a thread): the watchdog's count
-            tasks = state.loop_tasks
+        except RuntimeError:  # collected off any loop: there are no tasks to count
+            return
         yield GaugeMetricFamily(
             "kvguard_event_loop_tasks", "Asyncio tasks alive on kvguard's event loop.", value=tasks
         )

@@ -292,7 +292,7 @@ class AdmissionProxy:
         )
         prompt = known.count
         if not known.exact and decides:
-            prompt = await self.prompt_tokens(payload, chat=chat)
+            prompt = await self._exact_count(payload, known, chat=chat)
             # What is in force now, not before the wait (up to TOKENIZE_TIMEOUT_S).
             prompt_cap, completion_cap = (
                 (None, None) if priority == "critical" else self.mitigations.window
@@ -518,9 +518,14 @@ class AdmissionProxy:
             trust_header=settings.trust_priority_header,
         )
 
-    async def prompt_tokens(self, payload: dict[str, Any], *, chat: bool) -> int:
-        """The prompt's tokens: the engine's /tokenize (cached, bounded), else an estimate."""
-        known = self._known_prompt_tokens(payload, chat=chat)
+    async def _exact_count(
+        self, payload: dict[str, Any], known: _PromptCount, *, chat: bool
+    ) -> int:
+        """``known`` when exact, else the engine's /tokenize count (bounded, cached).
+
+        When the engine has no count to give, the estimate (cached too, so the engine
+        is not asked again).
+        """
         if known.exact:
             return known.count
         count = await self._tokenize(payload, chat=chat)

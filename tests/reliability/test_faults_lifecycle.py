@@ -27,7 +27,7 @@ from kvguard.actuators.drain import EnginePauseDrain
 from kvguard.actuators.engine_admin import EngineAdmin
 from kvguard.actuators.reconfigure import Reconfigurer, ReconfigureTimes
 from kvguard.config import parse_config
-from kvguard.daemon import Daemon, DaemonState, LoopWatchdog, Probes
+from kvguard.daemon import Daemon, Probes
 from kvguard.daemon_cli import _shut_down
 from kvguard.errors import InvalidInputError
 from kvguard.model.policy import Action
@@ -409,19 +409,23 @@ async def test_a_healthy_loop_reports_no_stall(sim_engine):
     assert daemon.state.tick_overruns_total == 0
 
 
-async def test_the_watchdog_counts_the_tasks_on_the_loop():
-    """kvguard_event_loop_tasks: the tasks alive, the ones a handler leaves behind included."""
-    state = DaemonState()
+async def test_metrics_count_the_tasks_on_the_loop():
+    """kvguard_event_loop_tasks: the tasks alive when /metrics is read, leftovers included."""
+    config = parse_config({"engine": {"url": "http://127.0.0.1:1"}}, env={})
+    daemon = Daemon(
+        config, probes=Probes(engine=EngineProbe(config.engine.url), nvml=None, host=None)
+    )
+    registry = daemon_registry(daemon)
     release = asyncio.Event()
+    before = registry.get_sample_value("kvguard_event_loop_tasks")
     held = [asyncio.ensure_future(release.wait()) for _ in range(25)]
-    watching = asyncio.ensure_future(LoopWatchdog(state, stall_s=5.0, period_s=1.0).run())
     try:
-        await asyncio.sleep(0)  # the watchdog counts as it starts
-        assert state.loop_tasks >= 26  # the 25, the watchdog, and this test's own task
+        assert registry.get_sample_value("kvguard_event_loop_tasks") == before + 25
     finally:
         release.set()
-        watching.cancel()
-        await asyncio.gather(*held, watching, return_exceptions=True)
+        await asyncio.gather(*held)
+        await daemon.close()
+    assert registry.get_sample_value("kvguard_event_loop_tasks") == before
 
 
 def test_the_stall_threshold_must_be_positive():
