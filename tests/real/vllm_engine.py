@@ -341,15 +341,40 @@ async def scrape(http: aiohttp.ClientSession, url: str) -> EngineMetrics:
 async def until_metrics(
     http: aiohttp.ClientSession, url: str, check: Any, *, limit_s: float, what: str
 ) -> EngineMetrics:
-    """Poll ``/metrics`` every 50 ms until ``check(metrics)``; fail after ``limit_s``."""
-    deadline = time.monotonic() + limit_s
+    """Poll ``/metrics`` every 50 ms until ``check(metrics)``; fail after ``limit_s``.
+
+    The failure names what the engine went through meanwhile (each change of its
+    running, waiting, usage and finished figures, with the second it was seen), so a
+    miss in CI says whether the state never came or came and went between polls.
+    """
+    start = time.monotonic()
+    seen: list[str] = []
+    last: tuple[float, ...] | None = None
     while True:
         metrics = await scrape(http, url)
         if check(metrics):
             return metrics
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened within {limit_s:g} s: {what}")
+        state = tuple(metrics.values.get(name, -1.0) for name in TRACED)
+        if state != last:
+            last = state
+            figures = " ".join(
+                f"{n.split(':')[1]}={v:g}" for n, v in zip(TRACED, state, strict=True)
+            )
+            seen.append(f"{time.monotonic() - start:.2f}s {figures}")
+        if time.monotonic() - start > limit_s:
+            trace = "\n  ".join(seen[-40:])
+            raise AssertionError(f"never happened within {limit_s:g} s: {what}; seen:\n  {trace}")
         await asyncio.sleep(0.05)
+
+
+# The figures :func:`until_metrics` traces.
+TRACED = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:request_success_total",
+    "vllm:num_preemptions_total",
+)
 
 
 async def freeze(http: aiohttp.ClientSession, url: str) -> None:
