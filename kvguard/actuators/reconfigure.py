@@ -66,6 +66,9 @@ class Restarter(Protocol):
     async def apply(self, *, fp8: bool) -> None:
         """Restart; raises :class:`ReconfigureError` when the restart itself fails."""
 
+    def exited(self) -> str | None:
+        """Why the engine cannot come up since the last :meth:`apply`: it exited (None: no sign)."""
+
 
 class Drain(Protocol):
     """Stops and re-opens admission, and says what is still in flight."""
@@ -97,14 +100,32 @@ class SupervisorRestarter:
         self.description = f"supervisor ({supervisor.argv[0]})"
         self.starts_8bit = False  # kvguard started it with its own command
         self.original_8bit = is_8bit(kv_dtype_of(self.original, kind))
+        self._exits_before = 0
 
     async def apply(self, *, fp8: bool) -> None:
         """Restart the child with fp8 flags, or with the command it was started with."""
         argv = with_fp8(self.original, self.kind) if fp8 else self.original
+        self._exits_before = self._exits()
         try:
             await self.supervisor.restart(argv)
         except KvguardError as exc:
             raise ReconfigureError(str(exc)) from exc
+
+    def exited(self) -> str | None:
+        """The restarted child exited on its own (e.g. it rejected a flag).
+
+        The supervisor starts it again after a backoff, but with the same flags it
+        would only exit again: waiting out ``start_timeout_s`` (600 s by default)
+        with admission stopped would refuse traffic for nothing.
+        """
+        if self._exits() == self._exits_before:
+            return None
+        code = self.supervisor.last_exit_code
+        return f"the engine exited (code {code}) before it was healthy"
+
+    def _exits(self) -> int:
+        restarts = self.supervisor.restarts
+        return restarts["crash"] + restarts["oom"]
 
 
 def engine_environment(kind: str, *, fp8: bool) -> dict[str, str]:
@@ -197,6 +218,10 @@ class SystemdRestarter:
         await run_argv([*self.systemctl, "daemon-reload"], env={}, timeout_s=self.timeout_s)
         await run_argv([*self.systemctl, "restart", self.unit], env={}, timeout_s=self.timeout_s)
 
+    def exited(self) -> str | None:
+        """Unknown here: systemd restarts the unit by its own rules; health decides."""
+        return None
+
 
 class CommandRestarter:
     """Command mode: your argv does the restart (``kubectl patch``, Slurm, …).
@@ -221,6 +246,10 @@ class CommandRestarter:
         await run_argv(
             self.argv, env=engine_environment(self.kind, fp8=fp8), timeout_s=self.timeout_s
         )
+
+    def exited(self) -> str | None:
+        """Unknown here: the engine runs wherever the command put it; health decides."""
+        return None
 
 
 # ---------------------------------------------------------------------- the switch
@@ -336,6 +365,9 @@ class Reconfigurer:
                 stats = None
             if stats is not None and stats.up:
                 return stats
+            exited = self.restarter.exited()
+            if exited is not None:
+                raise ReconfigureError(exited)
             if self.clock() >= deadline:
                 raise ReconfigureError(
                     f"the engine was not healthy within {self.times.start_timeout_s:g} s"

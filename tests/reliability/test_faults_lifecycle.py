@@ -268,6 +268,9 @@ class StuckRestarter:
         self.called.set()
         await asyncio.sleep(3600)
 
+    def exited(self) -> str | None:
+        return None
+
 
 async def test_sigterm_during_a_drain_resumes_the_engine_before_exit(sim_server, tmp_path):
     """The fp8 switch has paused the engine to drain it when kvguard is told to stop.
