@@ -95,6 +95,11 @@ async def _json(http: aiohttp.ClientSession, url: str, **params: str) -> dict | 
         return None
 
 
+def _result(answer: dict | None) -> list:
+    """The series of a Prometheus query answer (empty until a scrape has stored one)."""
+    return ((answer or {}).get("data") or {}).get("result") or []
+
+
 async def _watch(
     http: aiohttp.ClientSession, prom: str, server: Any, received: list[dict]
 ) -> tuple[float | None, float | None]:
@@ -229,7 +234,9 @@ async def test_alert_fires_before_the_first_preemption_and_reaches_the_receiver(
         async with aiohttp.ClientSession() as http:
             began = time.monotonic()
             # Prometheus must be scraping before the burst, or there is nothing to alert on.
-            while not await _json(http, f"{prom}/api/v1/query", query="kvguard_build_info"):
+            while not _result(
+                await _json(http, f"{prom}/api/v1/query", query="kvguard_build_info")
+            ):
                 assert time.monotonic() - began < 30, "Prometheus never scraped kvguard"
                 await asyncio.sleep(0.2)
             load = asyncio.ensure_future(

@@ -348,23 +348,32 @@ async def test_status_watch_redraws_until_interrupted(watched):
     """`kvguard status --watch` redraws the view in place and exits 0 on Ctrl-C."""
     _, daemon, url = watched
     await daemon.tick()
-    proc = await asyncio.create_subprocess_exec(
-        KVGUARD,
-        "status",
-        "--url",
-        url,
-        "--watch",
-        "--interval",
-        "0.05",
-        stdout=asyncio.subprocess.PIPE,
-    )
+    # A test run started in the background (`nohup pytest &`) ignores SIGINT, and an
+    # ignored signal stays ignored across exec: the child would never see the Ctrl-C.
+    # A handler (not SIG_IGN) in this process is reset to the default in the child.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            KVGUARD,
+            "status",
+            "--url",
+            url,
+            "--watch",
+            "--interval",
+            "0.05",
+            stdout=asyncio.subprocess.PIPE,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert proc.stdout is not None
     seen = b""
     async with asyncio.timeout(15):
         while seen.count(b"\x1b[H\x1b[2J") < 2:
             seen += await proc.stdout.read(4096)
     proc.send_signal(signal.SIGINT)
-    assert await asyncio.wait_for(proc.wait(), 10) == 0
+    # Read on to the end: a watch still drawing must not block on a full pipe.
+    rest, _ = await asyncio.wait_for(proc.communicate(), 10)
+    assert proc.returncode == 0, rest[-2000:]
     assert b"kind vllm  up True" in seen
 
 

@@ -280,7 +280,7 @@ async def test_vllm_pause_that_outlasts_the_timeout_is_confirmed_by_is_paused(re
         return web.json_response({"is_paused": True})
 
     url, seen = await recorder({"/pause": slow_pause, "/is_paused": is_paused})
-    admin, sleep = admin_for(url, "vllm", timeout_s=0.2)
+    admin, sleep = admin_for(url, "vllm", timeout_s=1.0)
     result = await admin.pause()
     assert (result.ok, result.attempts) == (True, 1)
     assert "still finishing" in result.detail

@@ -81,7 +81,9 @@ from tests.real.llamacpp_engine import (
 requires_llamacpp = pytest.mark.skipif(not installed(), reason=SKIP_REASON)
 N_CTX_PER_SLOT = CONTEXT_TOKENS // SLOTS  # 512: llama.cpp splits -c between the slots
 BURST = 6  # concurrent completions: 4 run in the slots, 2 wait (deferred)
-BURST_TOKENS = 256  # long enough that no slot finishes while kvguard probes
+# Long enough that no slot finishes while kvguard probes (the prompt, ~20 tokens, and
+# this fit a slot's 512); leaving the load cancels the rest, so length costs nothing.
+BURST_TOKENS = 440
 BUSY_DECODED = 16  # well into decoding, far from the end
 
 

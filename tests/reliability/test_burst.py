@@ -38,7 +38,9 @@ CALM_S = 2.0
 BURST_S = 5.0
 MAX_REQUESTS = 4_000  # per phase: a bound on the count as well as the time
 SHED_WAIT_S = 2.0  # the proxy's default: a shed-class request is held this long at most
-SLOW_MARGIN_S = 1.5  # CI's two cores run the clients, the proxy and the engine together
+# CI's two cores run the 160 clients, the proxy and the engine on one loop: an answer
+# can sit a while in the clients' queue (seen at most 2.3 s in all, idle).
+SLOW_MARGIN_S = 3.0
 RSS_GROWTH_LIMIT = 64 * 2**20
 PRIORITIES = ("sheddable", "standard", "standard", "sheddable", "critical") * 4
 
@@ -173,8 +175,9 @@ async def test_a_burst_of_ten_times_the_engines_concurrency_is_shed_fast_and_bou
         shed_ratio = daemon.config.proxy.shed_ratio
         assert burst["held_tokens"] <= pool * shed_ratio * HELD_POOLS + one_request
         assert 0 < burst["waiting"] < BURST
-        # The daemon kept ticking (0.25 s apart, faster while escalating).
-        assert ticks_during >= BURST_S / 0.25 / 2
+        # The daemon kept ticking (0.25 s apart, faster while escalating; idle: 130 in
+        # 5 s). A quarter of the plain rate allows for scrapes slowed by the loaded loop.
+        assert ticks_during >= BURST_S / 0.25 / 4
         assert daemon.state.loop_stalls_total == 0
 
         # Afterwards everything the proxy tracked is released, the engine drains,

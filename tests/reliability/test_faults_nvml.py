@@ -62,7 +62,9 @@ async def test_a_hung_nvml_call_costs_its_probe_never_the_loop(sim_engine):
         nvml=NvmlProbe(GpuSelector(), nvml=nvml, timeout_s=0.3),
         host=None,
     )
-    daemon = Daemon(config, probes=probes, loop_stall_s=0.25)
+    # A hung call on the loop would block it until the hang ends (30 s at most, the
+    # safety timer): 1 s catches that, and a loaded CI machine's GC pause does not.
+    daemon = Daemon(config, probes=probes, loop_stall_s=1.0)
     registry = daemon_registry(daemon)
     hang = threading.Event()
     safety = threading.Timer(30, hang.set)  # a broken test must not leave a thread blocked
