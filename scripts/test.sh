@@ -15,4 +15,18 @@ fi
 echo "== ruff"; .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy
-echo "== pytest"; .venv/bin/pytest "$@"
+# Two stages, both always run: the default suite (a few minutes: `.venv/bin/pytest -m
+# "not slow and not real_engine"` while developing), then the long runs: soaks,
+# benchmark smoke runs, efficacy runs and the real engines.
+ran=0
+stage() {
+  local code=0
+  .venv/bin/pytest "$@" || code=$?
+  # 5: nothing selected (extra arguments may pick tests of one stage only).
+  if [ "$code" -eq 5 ]; then return; fi
+  if [ "$code" -ne 0 ]; then exit "$code"; fi
+  ran=$((ran + 1))
+}
+echo "== pytest: default suite"; stage -m "not slow and not real_engine" "$@"
+echo "== pytest: slow and real-engine suites"; stage -m "slow or real_engine" "$@"
+if [ "$ran" -eq 0 ]; then echo "== no test was selected" >&2; exit 5; fi

@@ -31,7 +31,8 @@ from kvguard.sim.loadgen import LoadConfig, run_load
 from tests.test_dashboards import METRIC, all_queries, substituted
 from tests.test_run import free_port, start_api
 
-pytestmark = pytest.mark.prometheus
+# Real Prometheus and Alertmanager, and a 30 s burst: the second stage.
+pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "dashboards" / "prometheus" / "kvguard-rules.yml"

@@ -22,6 +22,9 @@ from bench.efficacy import (
     targets,
 )
 
+# Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN_FIELDS = {
     "engine",

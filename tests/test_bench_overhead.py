@@ -16,6 +16,9 @@ from bench import overhead
 from bench.overhead_procs import NGINX
 from bench.overhead_scrape import FIXTURE, build_fixture
 
+# Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
+pytestmark = pytest.mark.slow
+
 
 def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)

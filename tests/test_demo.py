@@ -22,6 +22,9 @@ from kvguard.demo import (
 )
 from kvguard.demo_view import LiveView, StatusSample, format_tte, render_summary
 
+# Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
+pytestmark = pytest.mark.slow
+
 # The demo as a newcomer runs it: the installed `kvguard` command.
 DEMO = [str(Path(sys.executable).parent / "kvguard"), "demo"]
 

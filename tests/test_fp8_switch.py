@@ -17,7 +17,11 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+# Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
+pytestmark = pytest.mark.slow
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 POOL_TOKENS = 4096

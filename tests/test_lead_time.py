@@ -10,6 +10,9 @@ import pytest
 
 from bench.lead_time import measure
 
+# Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("seed", [1, 2])
 async def test_long_context_reaches_high_before_the_first_preemption(seed):

@@ -32,7 +32,12 @@ wide margin:
 
 from __future__ import annotations
 
+import pytest
+
 from bench.proxy_efficacy import measure
+
+# Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
+pytestmark = pytest.mark.slow
 
 WARMUP_S = 3.0
 

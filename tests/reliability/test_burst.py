@@ -23,11 +23,15 @@ from typing import Any
 
 import aiohttp
 import psutil
+import pytest
 
 from kvguard.actuators.proxy import HELD_POOLS, AdmissionProxy
 from kvguard.inprocess import start_guard
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.runner import PoolSpec, size_pool, start_sim_server
+
+# Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
+pytestmark = pytest.mark.slow
 
 NORMAL = 16  # the engine's max_num_seqs: what it runs at once
 BURST = 10 * NORMAL

@@ -14,6 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).parent.parent.parent
 
 
