@@ -117,6 +117,10 @@ class Supervisor:
         self._started_at = 0.0
         self._last_oom_at: float | None = None
         self._crashes_in_a_row = 0
+        # One spawn at a time: a crash restart in flight when a reconfigure restart or a
+        # stop comes finishes first and is then replaced or stopped, never left running
+        # beside (or after) the engine kvguard tracks.
+        self._spawning = asyncio.Lock()
 
     @property
     def pid(self) -> int | None:
@@ -137,14 +141,16 @@ class Supervisor:
         """Stop the engine and start ``argv`` in its place; raises when it cannot start."""
         self.argv = list(argv)
         self.restarts["reconfigure"] += 1
-        await self._terminate()
-        await self._spawn()
+        async with self._spawning:
+            await self._terminate()
+            await self._spawn()
         self.on_event("engine_restarted", {"reason": "reconfigure", "pid": self.pid})
 
     async def stop(self) -> None:
         """End the engine for good: SIGTERM, then SIGKILL after ``stop_timeout_s``."""
         self._closing = True
-        await self._terminate()
+        async with self._spawning:
+            await self._terminate()
         tasks = [*self._watchers, *self._pumps]
         for task in tasks:
             task.cancel()
@@ -233,12 +239,13 @@ class Supervisor:
             delay = min(BACKOFF_MAX_S, self.backoff_s * 2**self._crashes_in_a_row)
             self._crashes_in_a_row += 1
             await self.sleep(delay)
-            if self._closing or self._process is not process:
-                return  # stopped, or a reconfigure started another meanwhile
-            try:
-                await self._spawn()
-            except KvguardError as exc:
-                # Keep trying after the next backoff rather than giving the engine up.
-                log.error("engine_restart_failed", error=str(exc))  # noqa: TRY400 - one line says it
-                continue
+            async with self._spawning:
+                if self._closing or self._process is not process:
+                    return  # stopped, or a reconfigure started another meanwhile
+                try:
+                    await self._spawn()
+                except KvguardError as exc:
+                    # Keep trying after the next backoff rather than giving the engine up.
+                    log.error("engine_restart_failed", error=str(exc))  # noqa: TRY400 - one line says it
+                    continue
             return

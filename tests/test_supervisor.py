@@ -154,3 +154,55 @@ async def test_the_daemon_watches_the_process_it_supervises(sim_engine):
     finally:
         await daemon.supervisor.stop()
         await daemon.close()
+
+
+SLEEPER = "import sys, time; print(sys.argv[1], flush=True); time.sleep(60)"
+
+
+async def test_a_reconfigure_during_a_crash_restart_leaves_one_engine(tmp_path: Path):
+    """The crash restart's spawn is in flight when a reconfigure restart comes.
+
+    The reconfigure waits for it, then replaces it: one engine runs, with the new
+    command, and the crash restart's engine is stopped rather than left beside it.
+    """
+    woken = asyncio.Event()
+    backoff = asyncio.Event()
+
+    async def held_sleep(_seconds: float) -> None:
+        woken.set()
+        await backoff.wait()
+
+    output = io.StringIO()
+    marker = str(tmp_path / "marker")
+    supervisor = Supervisor(
+        [sys.executable, "-c", CRASH_ONCE, marker], sleep=held_sleep, output=output
+    )
+    await supervisor.start()
+    try:
+        await asyncio.wait_for(woken.wait(), 10)  # it crashed; the backoff holds
+        backoff.set()
+        await asyncio.sleep(0)  # the crash restart wakes and starts spawning...
+        await supervisor.restart([sys.executable, "-c", SLEEPER, "reconfigured"])  # ...then this
+        await _until(lambda: "reconfigured" in output.getvalue())
+        # No engine with the crashed command is left (the crash restart's was stopped).
+        await _until(lambda: not _running_with(marker))
+        assert supervisor.running
+        assert supervisor.argv[-1] == "reconfigured"
+    finally:
+        await supervisor.stop()
+
+
+def _running_with(argument: str) -> list[int]:
+    """PIDs of live (not zombie) processes with ``argument`` on their command line."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if argument.encode() in argv and state != "Z":
+            found.append(int(entry.name))
+    return found

@@ -40,6 +40,10 @@ DROPIN_NAME = "50-kvguard-kv-cache.conf"
 HEALTH_POLL_S = 0.5
 
 
+# Exits of a restarted engine (the supervisor retries it) that end the wait for health.
+EXITS_THAT_END_THE_WAIT = 2
+
+
 class ReconfigureError(KvguardError):
     """A restart step failed; the message says which and why."""
 
@@ -105,23 +109,27 @@ class SupervisorRestarter:
     async def apply(self, *, fp8: bool) -> None:
         """Restart the child with fp8 flags, or with the command it was started with."""
         argv = with_fp8(self.original, self.kind) if fp8 else self.original
-        self._exits_before = self._exits()
         try:
             await self.supervisor.restart(argv)
         except KvguardError as exc:
             raise ReconfigureError(str(exc)) from exc
+        # Counted from here: an exit of the engine it replaced, seen by that engine's
+        # watcher while the new one was being spawned, is not the new engine's.
+        self._exits_before = self._exits()
 
     def exited(self) -> str | None:
-        """The restarted child exited on its own (e.g. it rejected a flag).
+        """The restarted child exited twice on its own: it rejects its flags.
 
-        The supervisor starts it again after a backoff, but with the same flags it
-        would only exit again: waiting out ``start_timeout_s`` (600 s by default)
-        with admission stopped would refuse traffic for nothing.
+        Once may be passing (the old engine's memory or port not yet released); the
+        supervisor then starts it again after its backoff. Exiting again with the same
+        flags is an answer: waiting out ``start_timeout_s`` (600 s by default) with
+        admission stopped would refuse traffic for nothing.
         """
-        if self._exits() == self._exits_before:
+        exits = self._exits() - self._exits_before
+        if exits < EXITS_THAT_END_THE_WAIT:
             return None
         code = self.supervisor.last_exit_code
-        return f"the engine exited (code {code}) before it was healthy"
+        return f"the engine exited {exits} times (last with code {code}) before it was healthy"
 
     def _exits(self) -> int:
         restarts = self.supervisor.restarts
