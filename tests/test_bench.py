@@ -22,9 +22,6 @@ from bench.efficacy import (
     targets,
 )
 
-# Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[1]
 RUN_FIELDS = {
     "engine",
@@ -108,6 +105,7 @@ def quick(tmp_path_factory):
     return out, page
 
 
+@pytest.mark.slow  # a long run: scripts/test.sh's second stage
 def test_quick_run_writes_every_policy_for_every_pattern_and_mode(quick):
     """Every run has the documented fields; every cell has every policy."""
     out, _ = quick
@@ -124,6 +122,7 @@ def test_quick_run_writes_every_policy_for_every_pattern_and_mode(quick):
         assert policies == set(POLICIES), (mode, pattern)
 
 
+@pytest.mark.slow  # a long run: scripts/test.sh's second stage
 def test_observers_ride_on_the_unguarded_traffic(quick):
     """The alert and the dry-run share `none`'s figures; every run's figures hang together."""
     out, _ = quick
@@ -146,6 +145,7 @@ def test_observers_ride_on_the_unguarded_traffic(quick):
             assert r["lead_time_s"] == pytest.approx(r["failed_at_s"] - r["warned_at_s"], abs=0.01)
 
 
+@pytest.mark.slow  # a long run: scripts/test.sh's second stage
 def test_quick_run_writes_the_page_with_both_parts(quick):
     """The page has the efficacy tables, the targets and the overhead part."""
     out, page = quick

@@ -16,9 +16,6 @@ from bench import overhead
 from bench.overhead_procs import NGINX
 from bench.overhead_scrape import FIXTURE, build_fixture
 
-# Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
-pytestmark = pytest.mark.slow
-
 
 def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
@@ -33,6 +30,7 @@ def result(tmp_path_factory):
     return doc
 
 
+@pytest.mark.slow  # a long run: scripts/test.sh's second stage
 def test_every_phase_ran_without_error(result):
     """Daemon, proxy, scrape and reaction each produced figures, none an error."""
     for phase in ("daemon", "proxy", "scrape", "reaction"):
@@ -44,6 +42,7 @@ def test_every_phase_ran_without_error(result):
     assert isinstance(machine["shared_with_other_processes"], bool)
 
 
+@pytest.mark.slow  # a long run: scripts/test.sh's second stage
 def test_daemon_figures_are_sane(result):
     """Four configurations; each daemon used some CPU, held some memory, and ticked."""
     configs = result["daemon"]["configs"]
@@ -54,6 +53,7 @@ def test_daemon_figures_are_sane(result):
         assert figures["ticks"] > 0
 
 
+@pytest.mark.slow  # a long run: scripts/test.sh's second stage
 def test_proxy_answered_every_request(result):
     """Every request through every path got a 200, and each path has its ratios."""
     proxy = result["proxy"]
@@ -75,6 +75,7 @@ def test_proxy_answered_every_request(result):
                 assert set(one[target][kind]["open_statuses"]) == {"200"}
 
 
+@pytest.mark.slow  # a long run: scripts/test.sh's second stage
 def test_scrape_read_the_whole_exposition(result):
     """The probe parsed the 4-engine fixture: usage and queues summed over engines."""
     scrape = result["scrape"]
@@ -84,6 +85,7 @@ def test_scrape_read_the_whole_exposition(result):
     assert scrape["seen"]["requests_waiting"] == 14
 
 
+@pytest.mark.slow  # a long run: scripts/test.sh's second stage
 def test_reaction_shed_in_every_trial(result):
     """Each trial reached high and got a 503; the plan at that tick was a shed."""
     reaction = result["reaction"]
@@ -94,6 +96,7 @@ def test_reaction_shed_in_every_trial(result):
         assert run["reaction_ms"] is not None
 
 
+@pytest.mark.slow  # a long run: scripts/test.sh's second stage
 def test_targets_and_markdown(result):
     """Each target row has a value and a verdict; the docs section shows them."""
     rows = result["targets"]

@@ -22,9 +22,6 @@ from kvguard.demo import (
 )
 from kvguard.demo_view import LiveView, StatusSample, format_tte, render_summary
 
-# Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
-pytestmark = pytest.mark.slow
-
 # The demo as a newcomer runs it: the installed `kvguard` command.
 DEMO = [str(Path(sys.executable).parent / "kvguard"), "demo"]
 
@@ -35,6 +32,7 @@ def _sample(t_s: float, **guarded: object) -> StatusSample:
     )
 
 
+@pytest.mark.slow  # a long run: scripts/test.sh's second stage
 def test_demo_crashes_unguarded_and_not_guarded(tmp_path):
     """Default seed and pattern, 20 s per run: unguarded crashes, guarded does not.
 
