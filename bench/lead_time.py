@@ -7,8 +7,8 @@ pool, kvguard's daemon watching it (0.5 s ticks, 0.1 s when pressure is near), a
 pattern. The engine's own preemption counter is read every 10 ms in-process (the
 ground truth); the run stops at the first preemption after the pattern starts, or
 after ``max_s`` seconds (a preemption before ``high`` is followed for 1.5 s more: one
-poll and its scrape timeout, so a late ``high`` is timed). Lead time = first preemption - first tick at ``high`` or
-worse (positive: kvguard saw it coming).
+poll and its scrape timeout, so a late ``high`` is timed). Lead time = first
+preemption - first tick at ``high`` or worse (positive: kvguard saw it coming).
 
     .venv/bin/python -m bench.lead_time [--seeds 10] [--out bench/results/lead_time.json]
 """
