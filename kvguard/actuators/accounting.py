@@ -72,6 +72,10 @@ class InflightRequest:
     cancel: Callable[[], None] | None = field(default=None, repr=False)
     cancelled: bool = False
     cancel_reason: str | None = None  # largest, drain
+    # While prompt_tokens is an estimate: the prompt's key in the count cache, so the
+    # engine's count (from its answer's usage or /tokenize) is remembered when it comes.
+    prompt_key: int | None = None
+    prompt_counted: bool = False  # prompt_tokens came from the answer's usage
 
     @property
     def footprint_tokens(self) -> int:

@@ -334,7 +334,11 @@ class AdmissionProxy:
                 body = json.dumps(payload).encode()
         tracked = InflightRequest(request_id, priority, prompt, max_tokens)
         if not known.exact and not decides:
-            self._count_later(tracked, payload, known.key, chat=chat)
+            tracked.prompt_key = known.key
+            # A whole answer, or a stream asked to end with `usage`, brings the engine's
+            # own count: no /tokenize (a second request to the engine's API server).
+            if not _answer_has_usage(payload):
+                self._count_later(tracked, payload, known.key, chat=chat)
         if shed_class and not await self._hold_for_room(tracked):
             return (
                 self._refuse_draining(priority)
@@ -577,7 +581,15 @@ class AdmissionProxy:
         if count is None:
             return  # the estimate stands; not cached, so a later cap asks the engine again
         self._tokens.put(key, count)
-        tracked.prompt_tokens = count
+        if tracked.prompt_key is not None:  # not already counted from the answer
+            tracked.prompt_tokens = count
+            tracked.prompt_key = None
+
+    def _remember_usage(self, tracked: InflightRequest) -> None:
+        """Cache the prompt's count its answer's ``usage`` gave (see :func:`_count_usage`)."""
+        if tracked.prompt_key is not None and tracked.prompt_counted:
+            self._tokens.put(tracked.prompt_key, tracked.prompt_tokens)
+            tracked.prompt_key = None
 
     async def _tokenize(self, payload: dict[str, Any], *, chat: bool) -> int | None:
         if not self._tokenize_ok:
@@ -655,6 +667,7 @@ class AdmissionProxy:
                 else:
                     upstream.close()
             if tracked is not None:
+                self._remember_usage(tracked)
                 self.inflight.done(tracked)
                 # A waiting request may fit now: wake them all, arm a new event.
                 self._room_freed.set()
@@ -982,6 +995,7 @@ def _count_events(tracked: InflightRequest, data: bytes) -> bytes:
             usage = chunk.get("usage") if isinstance(chunk, dict) else None
             if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                 tracked.generated = usage["completion_tokens"]
+                _prompt_from_usage(tracked, usage)
             elif isinstance(chunk, dict) and chunk.get("choices"):
                 tracked.generated += 1  # one token per content chunk, as engines stream
     return tail
@@ -996,6 +1010,28 @@ def _count_usage(tracked: InflightRequest, body: bytes) -> None:
     usage = data.get("usage") if isinstance(data, dict) else None
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         tracked.generated = usage["completion_tokens"]
+        _prompt_from_usage(tracked, usage)
+
+
+def _prompt_from_usage(tracked: InflightRequest, usage: dict[str, Any]) -> None:
+    """The engine's prompt count from ``usage``, for a prompt only estimated so far."""
+    prompt = usage.get("prompt_tokens")
+    if (
+        tracked.prompt_key is not None
+        and isinstance(prompt, int)
+        and not isinstance(prompt, bool)
+        and 0 <= prompt <= MAX_TOKENS_LIMIT  # an engine's garbage must not be remembered
+    ):
+        tracked.prompt_tokens = prompt
+        tracked.prompt_counted = True
+
+
+def _answer_has_usage(payload: dict[str, Any]) -> bool:
+    """Whether the engine's answer will carry ``usage``: a whole answer, or a stream asked to."""
+    if payload.get("stream") is not True:
+        return True
+    options = payload.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 async def _stream_error(

@@ -359,6 +359,7 @@ async def tokenizing(serve):
     proxy that waited for the count before forwarding would wait its whole tokenize
     timeout and forward an estimate; one that forwards at once sees the count arrive
     while the completion runs. The completion waits until the proxy has the count.
+    Its answers report 500 prompt tokens in ``usage`` (a stream: when asked to).
     """
     calls: list[str] = []
     arrived = asyncio.Event()
@@ -371,14 +372,25 @@ async def tokenizing(serve):
             await asyncio.wait_for(arrived.wait(), 5)
         return web.json_response({"count": 500})
 
-    async def complete(request: web.Request) -> web.Response:
+    async def complete(request: web.Request) -> web.StreamResponse:
         calls.append("completion")
+        payload = await request.json()
         arrived.set()
         proxy = holder["proxy"]
         await _until(lambda: not proxy._counting)  # the background count is in
-        return web.json_response(
-            {"choices": [{"text": "x"}], "usage": {"prompt_tokens": 500, "completion_tokens": 3}}
-        )
+        usage = {"prompt_tokens": 500, "completion_tokens": 3}
+        if not payload.get("stream"):
+            return web.json_response({"choices": [{"text": "x"}], "usage": usage})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        if (payload.get("stream_options") or {}).get("include_usage"):
+            await response.write(
+                f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+            )
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     app = web.Application()
     app.router.add_post("/tokenize", tokenize)
@@ -386,8 +398,12 @@ async def tokenizing(serve):
     return await serve(app), calls, holder, settings
 
 
-async def test_at_ok_a_new_prompt_is_forwarded_before_its_count_and_corrected(tokenizing, proxy_to):
-    """No cap or hold in force: forwarded at once, the engine's count replaces the estimate."""
+async def test_at_ok_a_whole_answers_usage_counts_its_prompt(tokenizing, proxy_to):
+    """No cap or hold in force: forwarded at once; the answer's usage replaces the estimate.
+
+    No /tokenize: a second request to the engine's API server per prompt, for a count
+    the answer brings anyway. The count is remembered for the same prompt.
+    """
     upstream, calls, holder, _ = tokenizing
     proxy, state = await proxy_to(upstream, Mitigations())
     holder["proxy"] = state
@@ -395,12 +411,51 @@ async def test_at_ok_a_new_prompt_is_forwarded_before_its_count_and_corrected(to
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{proxy}/v1/completions", json=body) as resp:
             assert resp.status == 200
-        assert sorted(calls) == ["completion", "tokenize"]  # asked, but not waited for
+        assert calls == ["completion"]
         assert state.inflight.prompt_tokens.count == 1
         assert state.inflight.prompt_tokens.total == 500  # observed at the end: the engine's
+        assert state._known_prompt_tokens(body, chat=False).count == 500  # remembered
         async with http.post(f"{proxy}/v1/completions", json=body) as resp:
             assert resp.status == 200
+    assert calls == ["completion", "completion"]
+
+
+async def test_at_ok_a_streams_prompt_is_counted_by_tokenize_alongside(tokenizing, proxy_to):
+    """A stream without ``include_usage`` brings no count: /tokenize is asked, not waited for."""
+    upstream, calls, holder, _ = tokenizing
+    proxy, state = await proxy_to(upstream, Mitigations())
+    holder["proxy"] = state
+    body = {"prompt": "a" * 30, "max_tokens": 3, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{proxy}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            await resp.read()
+        assert sorted(calls) == ["completion", "tokenize"]  # asked, but not waited for
+        assert state.inflight.prompt_tokens.total == 500
+        async with http.post(f"{proxy}/v1/completions", json=body) as resp:
+            await resp.read()
     assert sorted(calls) == ["completion", "completion", "tokenize"]  # the count was cached
+
+
+async def test_at_ok_a_stream_with_usage_counts_its_prompt_from_it(tokenizing, proxy_to):
+    """``stream_options.include_usage``: the last event's usage is the count; no /tokenize."""
+    upstream, calls, holder, _ = tokenizing
+    proxy, state = await proxy_to(upstream, Mitigations())
+    holder["proxy"] = state
+    body = {
+        "prompt": "a" * 30,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{proxy}/v1/completions", json=body) as resp,
+    ):
+        assert resp.status == 200
+        await resp.read()
+    assert calls == ["completion"]
+    assert state.inflight.prompt_tokens.total == 500
 
 
 async def test_a_window_cap_waits_for_the_engines_count(tokenizing, proxy_to):
