@@ -6,14 +6,15 @@ bench/overhead_client.py):
 
 * ``direct``: the client talks to the stub;
 * ``kvguard``: through a real ``kvguard run`` with ``[proxy] enabled`` (defaults
-  otherwise: the daemon also polls the stub's idle vLLM metrics at 2 Hz, and the
-  proxy asks the stub's ``/tokenize`` for every new prompt, as it does with vLLM);
+  otherwise: the daemon also polls the stub's idle vLLM metrics at 2 Hz; a new
+  prompt is counted from the answer's ``usage`` for whole answers and by the stub's
+  ``/tokenize`` for streams without ``include_usage``, as with vLLM);
 * ``nginx``: through nginx (the Debian package) as a plain reverse proxy — one worker
   process, upstream keep-alive, ``proxy_buffering off`` — a reference for what a
   reverse proxy costs on this machine;
 * ``kvguard_cached_prompt`` (a diagnostic, no target): the same kvguard, sent one
-  prompt over and over, so its token-count cache answers instead of ``/tokenize``:
-  the difference to ``kvguard`` is what the extra round trip per new prompt costs.
+  prompt over and over, so its token-count cache answers: for streams, the
+  difference to ``kvguard`` is what the ``/tokenize`` round trip per new prompt costs.
 
 Each round runs every target once, in a rotating order so none is always first; a
 round is, per kind (``json`` whole answers, ``stream`` SSE): a warm-up, an open loop
@@ -203,7 +204,7 @@ def measure_proxy(
             "targets": targets,
             "nginx_skipped": nginx_skipped,
             "nginx_workers": 1,
-            "tokenize_per_request": True,
+            "tokenize_per_request": "streams without include_usage",
             "summary": summarize(results, targets),
             "proxy_cpu": cpu,
             "per_round": [_slim(r) for r in results],

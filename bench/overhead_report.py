@@ -139,8 +139,9 @@ def _proxy(result: dict[str, Any]) -> list[str]:
         f" added = proxied - direct at the same percentile. Throughput: closed loop at"
         f" concurrency {proxy['concurrency']}, median of rounds. nginx runs"
         f" {proxy['nginx_workers']} worker process (kvguard is one process too), upstream"
-        " keep-alive, `proxy_buffering off`. kvguard asks the upstream's `/tokenize` for"
-        " every new prompt, as with vLLM.",
+        " keep-alive, `proxy_buffering off`. kvguard counts a new prompt from the"
+        " answer's `usage` (whole answers) or the upstream's `/tokenize` (streams"
+        " without `include_usage`), as with vLLM.",
         "",
         *skipped,
         *_table(
@@ -271,7 +272,7 @@ def _notes(result: dict[str, Any]) -> list[str]:
         if cached and plain:
             notes.append(
                 f"{'SSE stream' if kind == 'stream' else 'Whole JSON'}: with the prompt's"
-                " token count cached (no `/tokenize` round trip) kvguard's proxy adds"
+                " token count cached kvguard's proxy adds"
                 f" {_num(cached.get('added_p50_ms'))} ms at p50 (against"
                 f" {_num(plain.get('added_p50_ms'))} ms) and sustains"
                 f" {_num(cached['throughput_rps'], 0)} req/s (against"
