@@ -1,8 +1,8 @@
 """Per-request KV accounting: what each in-flight request holds in the cache.
 
 Engines do not say which request holds how much cache; the proxy does: the prompt's
-tokens (from the engine's ``/tokenize`` when it answers quickly, else a conservative
-estimate), plus the tokens generated so far. A request's *footprint* is prompt +
+tokens (the engine's count — its ``/tokenize``, or its answer's ``usage`` — else a
+conservative estimate), plus the tokens generated so far. A request's *footprint* is prompt +
 generated tokens; its *projection* is prompt + ``max_tokens``. Bytes are tokens x
 the budget's KV bytes per token per GPU, when a budget is configured.
 """

@@ -80,6 +80,21 @@ TOKENIZE_TIMEOUT_S = 0.25
 UNKNOWN_MAX_TOKENS = 512  # projection of a request that sets no max_tokens
 # Prompt counts asked of the engine in the background at once, at most; past it (the
 # engine tokenizes slowly) a request keeps its estimate, which errs high.
+# Request fields besides the prompt that change the engine's count of it (templates,
+# tools, truncation, special tokens, the model): part of the count cache's key.
+PROMPT_SHAPING_FIELDS = (
+    "model",
+    "tools",
+    "functions",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "add_special_tokens",
+    "truncate_prompt_tokens",
+    "suffix",
+)
 MAX_BACKGROUND_COUNTS = 16  # they share the upstream pool with the requests forwarded
 # Requests of a shed class held for room, at most: this many pools' worth (projected).
 # One pool's worth sheds bursts the engine would have served within shed_wait_s; four
@@ -281,8 +296,8 @@ class AdmissionProxy:
         )
         # The engine's exact count is waited for only when it decides something now (a
         # window cap, a hold for room, projected admission). Otherwise the request goes
-        # on with an estimate, corrected in the background when the engine answers:
-        # the /tokenize round trip was most of the latency the proxy adds.
+        # on with an estimate, corrected when the engine's count comes (see below): the
+        # /tokenize round trip was most of the latency the proxy adds.
         known = self._known_prompt_tokens(payload, chat=chat)
         decides = (
             prompt_cap is not None
@@ -335,9 +350,11 @@ class AdmissionProxy:
         tracked = InflightRequest(request_id, priority, prompt, max_tokens)
         if not known.exact and not decides:
             tracked.prompt_key = known.key
-            # A whole answer, or a stream asked to end with `usage`, brings the engine's
-            # own count: no /tokenize (a second request to the engine's API server).
-            if not _answer_has_usage(payload):
+            # While calm, a whole answer or a stream asked to end with `usage` brings the
+            # engine's own count at its end: no /tokenize (a second request to the
+            # engine's API server). Once pressure builds, what is in flight must be
+            # known while it runs: /tokenize alongside, the count in milliseconds.
+            if self.mitigations.level != "ok" or not _answer_has_usage(payload):
                 self._count_later(tracked, payload, known.key, chat=chat)
         if shed_class and not await self._hold_for_room(tracked):
             return (
@@ -549,7 +566,10 @@ class AdmissionProxy:
         ):
             return _PromptCount(len(subject), exact=True, key=0)  # already token ids
         text = json.dumps(subject, sort_keys=True)
-        key = hash(text)
+        # The fields that change what the engine counts for the same prompt are part of
+        # the key, so a count remembered for one request is never another's.
+        shaping = {f: payload[f] for f in PROMPT_SHAPING_FIELDS if f in payload}
+        key = hash((text, json.dumps(shaping, sort_keys=True))) if shaping else hash(text)
         cached = self._tokens.get(key)
         if cached is not None:
             return _PromptCount(cached, exact=True, key=key)
@@ -581,8 +601,8 @@ class AdmissionProxy:
         if count is None:
             return  # the estimate stands; not cached, so a later cap asks the engine again
         self._tokens.put(key, count)
-        if tracked.prompt_key is not None:  # not already counted from the answer
-            tracked.prompt_tokens = count
+        if tracked.prompt_key is not None and not tracked.prompt_counted:
+            tracked.prompt_tokens = count  # the answer's usage, when it came first, stands
             tracked.prompt_key = None
 
     def _remember_usage(self, tracked: InflightRequest) -> None:
@@ -1020,18 +1040,21 @@ def _prompt_from_usage(tracked: InflightRequest, usage: dict[str, Any]) -> None:
         tracked.prompt_key is not None
         and isinstance(prompt, int)
         and not isinstance(prompt, bool)
-        and 0 <= prompt <= MAX_TOKENS_LIMIT  # an engine's garbage must not be remembered
+        and 1 <= prompt <= MAX_TOKENS_LIMIT  # an engine's garbage must not be remembered
     ):
         tracked.prompt_tokens = prompt
         tracked.prompt_counted = True
 
 
 def _answer_has_usage(payload: dict[str, Any]) -> bool:
-    """Whether the engine's answer will carry ``usage``: a whole answer, or a stream asked to."""
-    if payload.get("stream") is not True:
+    """Whether the engine's answer will carry ``usage``: a whole answer, or a stream asked to.
+
+    Truthiness as the engines read it (``"stream": 1`` streams too).
+    """
+    if not payload.get("stream"):
         return True
     options = payload.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
+    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 async def _stream_error(

@@ -359,7 +359,8 @@ async def tokenizing(serve):
     proxy that waited for the count before forwarding would wait its whole tokenize
     timeout and forward an estimate; one that forwards at once sees the count arrive
     while the completion runs. The completion waits until the proxy has the count.
-    Its answers report 500 prompt tokens in ``usage`` (a stream: when asked to).
+    Its answers report 480 prompt tokens in ``usage`` (a stream: when asked to), so a
+    figure says which count it came from.
     """
     calls: list[str] = []
     arrived = asyncio.Event()
@@ -378,7 +379,7 @@ async def tokenizing(serve):
         arrived.set()
         proxy = holder["proxy"]
         await _until(lambda: not proxy._counting)  # the background count is in
-        usage = {"prompt_tokens": 500, "completion_tokens": 3}
+        usage = {"prompt_tokens": 480, "completion_tokens": 3}
         if not payload.get("stream"):
             return web.json_response({"choices": [{"text": "x"}], "usage": usage})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -411,10 +412,11 @@ async def test_at_ok_a_whole_answers_usage_counts_its_prompt(tokenizing, proxy_t
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{proxy}/v1/completions", json=body) as resp:
             assert resp.status == 200
+            await resp.read()
         assert calls == ["completion"]
         assert state.inflight.prompt_tokens.count == 1
-        assert state.inflight.prompt_tokens.total == 500  # observed at the end: the engine's
-        assert state._known_prompt_tokens(body, chat=False).count == 500  # remembered
+        assert state.inflight.prompt_tokens.total == 480  # observed at the end: the usage's
+        assert state._known_prompt_tokens(body, chat=False).count == 480  # remembered
         async with http.post(f"{proxy}/v1/completions", json=body) as resp:
             assert resp.status == 200
     assert calls == ["completion", "completion"]
@@ -455,7 +457,42 @@ async def test_at_ok_a_stream_with_usage_counts_its_prompt_from_it(tokenizing, p
         assert resp.status == 200
         await resp.read()
     assert calls == ["completion"]
-    assert state.inflight.prompt_tokens.total == 500
+    assert state.inflight.prompt_tokens.total == 480
+    remembered = state._known_prompt_tokens(body, chat=False)
+    assert (remembered.count, remembered.exact) == (480, True)
+
+
+async def test_past_ok_a_whole_answer_is_counted_by_tokenize_while_it_runs(tokenizing, proxy_to):
+    """Pressure building (elevated, nothing capped or held yet): /tokenize alongside.
+
+    In-flight sizes must be known while requests run, not at their end.
+    """
+    upstream, calls, holder, _ = tokenizing
+    proxy, state = await proxy_to(upstream, Mitigations(level="elevated"))
+    holder["proxy"] = state
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{proxy}/v1/completions", json={"prompt": "a" * 30, "max_tokens": 3}) as resp,
+    ):
+        assert resp.status == 200
+        await resp.read()
+    assert sorted(calls) == ["completion", "tokenize"]
+    assert state.inflight.prompt_tokens.total == 500  # /tokenize's, in before the answer
+
+
+async def test_a_remembered_count_is_the_same_prompt_shaped_the_same_way(tokenizing, proxy_to):
+    """Tools or a template change what the engine counts: another key, not the cached count."""
+    upstream, _, holder, _ = tokenizing
+    _, state = await proxy_to(upstream, Mitigations())
+    holder["proxy"] = state
+    plain = {"messages": [{"role": "user", "content": "hi"}]}
+    known = state._known_prompt_tokens(plain, chat=True)
+    state._tokens.put(known.key, 480)
+    assert state._known_prompt_tokens(plain, chat=True).exact
+    with_tools = {**plain, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    assert not state._known_prompt_tokens(with_tools, chat=True).exact
+    templated = {**plain, "chat_template_kwargs": {"enable_thinking": False}}
+    assert not state._known_prompt_tokens(templated, chat=True).exact
 
 
 async def test_a_window_cap_waits_for_the_engines_count(tokenizing, proxy_to):
