@@ -2,9 +2,9 @@
 
 Engines do not say which request holds how much cache; the proxy does: the prompt's
 tokens (the engine's count — its ``/tokenize``, or its answer's ``usage`` — else a
-conservative estimate), plus the tokens generated so far. A request's *footprint* is prompt +
-generated tokens; its *projection* is prompt + ``max_tokens``. Bytes are tokens x
-the budget's KV bytes per token per GPU, when a budget is configured.
+conservative estimate), plus the tokens generated so far. A request's *footprint* is
+prompt + generated tokens; its *projection* is prompt + ``max_tokens``. Bytes are
+tokens x the budget's KV bytes per token per GPU, when a budget is configured.
 """
 
 from __future__ import annotations

@@ -78,8 +78,6 @@ HOP_BY_HOP = frozenset(
 )
 TOKENIZE_TIMEOUT_S = 0.25
 UNKNOWN_MAX_TOKENS = 512  # projection of a request that sets no max_tokens
-# Prompt counts asked of the engine in the background at once, at most; past it (the
-# engine tokenizes slowly) a request keeps its estimate, which errs high.
 # Request fields besides the prompt that change the engine's count of it (templates,
 # tools, truncation, special tokens, the model): part of the count cache's key.
 PROMPT_SHAPING_FIELDS = (
@@ -95,6 +93,8 @@ PROMPT_SHAPING_FIELDS = (
     "truncate_prompt_tokens",
     "suffix",
 )
+# Prompt counts asked of the engine in the background at once, at most; past it (the
+# engine tokenizes slowly) a request keeps its estimate, which errs high.
 MAX_BACKGROUND_COUNTS = 16  # they share the upstream pool with the requests forwarded
 # Requests of a shed class held for room, at most: this many pools' worth (projected).
 # One pool's worth sheds bursts the engine would have served within shed_wait_s; four
