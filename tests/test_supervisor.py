@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kvguard.errors import KvguardError
@@ -194,15 +195,8 @@ async def test_a_reconfigure_during_a_crash_restart_leaves_one_engine(tmp_path: 
 
 def _running_with(argument: str) -> list[int]:
     """PIDs of live (not zombie) processes with ``argument`` on their command line."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if argument.encode() in argv and state != "Z":
-            found.append(int(entry.name))
-    return found
+    return [
+        p.pid
+        for p in psutil.process_iter(["cmdline", "status"])
+        if argument in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]

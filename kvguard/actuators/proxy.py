@@ -116,7 +116,7 @@ class _PromptCount:
 
     count: int
     exact: bool  # token ids, or the engine's count from the cache; else an estimate
-    key: int  # the cache key (a hash of the prompt)
+    key: int  # the cache key (a hash of the prompt and PROMPT_SHAPING_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -289,11 +289,7 @@ class AdmissionProxy:
             return _error(400, malformed, "invalid_request_error", code="invalid_body")
         if not isinstance(payload, dict):
             return body, None  # an empty body: nothing to project or change
-        # Critical requests are never refused for their size: a refusal loses them as
-        # surely as a shed would, and critical traffic is never shed.
-        prompt_cap, completion_cap = (
-            (None, None) if priority == "critical" else self.mitigations.window
-        )
+        prompt_cap, completion_cap = self._window_for(priority)
         # The engine's exact count is waited for only when it decides something now (a
         # window cap, a hold for room, projected admission). Otherwise the request goes
         # on with an estimate, corrected when the engine's count comes (see below): the
@@ -309,9 +305,7 @@ class AdmissionProxy:
         if not known.exact and decides:
             prompt = await self._exact_count(payload, known, chat=chat)
             # What is in force now, not before the wait (up to TOKENIZE_TIMEOUT_S).
-            prompt_cap, completion_cap = (
-                (None, None) if priority == "critical" else self.mitigations.window
-            )
+            prompt_cap, completion_cap = self._window_for(priority)
         key = (
             "max_completion_tokens" if chat and "max_completion_tokens" in payload else "max_tokens"
         )
@@ -382,6 +376,14 @@ class AdmissionProxy:
             # engine is about to restart, so it must not be forwarded now.
             return self._refuse_draining(priority)
         return body, tracked
+
+    def _window_for(self, priority: str) -> tuple[int | None, int | None]:
+        """The (prompt, completion) caps in force for ``priority`` now.
+
+        Critical requests are never refused for their size: a refusal loses them as
+        surely as a shed would, and critical traffic is never shed.
+        """
+        return (None, None) if priority == "critical" else self.mitigations.window
 
     def _draining(self) -> bool:
         return self.mitigations.draining and self.mitigations.enforcing
