@@ -406,8 +406,13 @@ def account(answers: list[Answer]) -> Counter[str]:
 
 async def measured_burst(
     http: aiohttp.ClientSession, engine_url: str, target_url: str, burst: list[BurstRequest]
-) -> tuple[list[Answer], float, UsageWatch]:
-    """The burst sent to ``target_url``: answers, the engine's preemptions, its peaks."""
+) -> tuple[list[Answer], float, float, UsageWatch]:
+    """The burst sent to ``target_url``.
+
+    Returns the answers, the engine's preemptions, the seconds its requests spent
+    queued (all together) and the sampled peaks. The first two figures come from vLLM's
+    counters, so no moment of the burst can slip between two scrapes.
+    """
     before = await scrape(http, engine_url)
     watch = UsageWatch(http, engine_url)
     watch.start()
@@ -417,7 +422,8 @@ async def measured_burst(
         await watch.stop()
     after = await until_metrics(http, engine_url, idle, limit_s=60, what="idle after the burst")
     preemptions = after["vllm:num_preemptions_total"] - before["vllm:num_preemptions_total"]
-    return answers, preemptions, watch
+    queued = "vllm:request_queue_time_seconds_sum"
+    return answers, preemptions, after[queued] - before[queued], watch
 
 
 @real_engine
@@ -439,12 +445,20 @@ async def test_kvguard_cuts_preemptions_of_a_real_burst(vllm_engine):  # noqa: F
         await until_metrics(http, url, idle, limit_s=60, what="idle")
         async with http.post(f"{url}/reset_prefix_cache") as reset:
             assert (await reset.json())["success"] is True
-        direct, direct_preemptions, direct_watch = await measured_burst(http, url, url, burst)
+        direct, direct_preemptions, direct_queued_s, direct_watch = await measured_burst(
+            http, url, url, burst
+        )
         assert len(direct) == len(burst)
         assert account(direct) == {"complete": len(burst)}  # vLLM itself refuses nothing
-        assert direct_watch.peak_usage == 1.0
-        assert direct_watch.peak_waiting > 0
-        assert direct_preemptions > 0
+        # The cache filled (vLLM preempts only when a running request finds no free
+        # block) and requests queued behind the running ones. Counters are the
+        # evidence, not the sampled peaks: on a loaded 2-core machine one scrape of the
+        # busy API server can take seconds (CI saw a peak usage of 0.73 that way, and
+        # a local run under load took 2 samples in the whole burst).
+        assert direct_preemptions > 0, f"no preemption; {direct_watch!r}"
+        # Each request is queued for an instant before it runs: 30 of those come to
+        # milliseconds. A second or more means requests waited for room.
+        assert direct_queued_s >= 1.0, f"queued {direct_queued_s:.3f} s; {direct_watch!r}"
 
         # The first run's blocks stay cached for its prompts: clear them for a fair rerun.
         async with http.post(f"{url}/reset_prefix_cache") as reset:
@@ -465,7 +479,7 @@ async def test_kvguard_cuts_preemptions_of_a_real_burst(vllm_engine):  # noqa: F
             )
             assert proxy.mitigations.pool_tokens == USABLE_TOKENS
             assert proxy.mitigations.block_size == CPU_BLOCK_SIZE
-            guarded, guarded_preemptions, guarded_watch = await measured_burst(
+            guarded, guarded_preemptions, guarded_queued_s, guarded_watch = await measured_burst(
                 http, url, proxy_url, burst
             )
             counters = proxy.counters
@@ -480,7 +494,8 @@ async def test_kvguard_cuts_preemptions_of_a_real_burst(vllm_engine):  # noqa: F
     print(  # noqa: T201 - the figures issue 9 asks for, shown with -s
         f"\nvllm burst (seed 9, {len(burst)} requests): preemptions without kvguard"
         f" {direct_preemptions:g}, with kvguard {guarded_preemptions:g};"
-        f" peak usage {direct_watch.peak_usage:.3f} vs {guarded_watch.peak_usage:.3f};"
+        f" engine queue time {direct_queued_s:.1f} s vs {guarded_queued_s:.1f} s;"
+        f" sampled peak usage {direct_watch.peak_usage:.3f} vs {guarded_watch.peak_usage:.3f};"
         f" guarded outcomes {dict(outcomes)}; shed {dict(counters.shed)},"
         f" clamped {counters.clamped}, rejected {dict(counters.rejected)}"
     )

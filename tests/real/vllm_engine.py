@@ -414,6 +414,12 @@ class UsageWatch:
         self.busiest: EngineMetrics | None = None  # the scrape at the highest usage
         self._task: asyncio.Task[None] | None = None
 
+    def __repr__(self) -> str:
+        return (
+            f"UsageWatch(samples={self.samples}, peak_usage={self.peak_usage:.3f},"
+            f" peak_waiting={self.peak_waiting:g}, peak_running={self.peak_running:g})"
+        )
+
     def start(self) -> None:
         """Begin sampling (every ~50 ms)."""
         self._task = asyncio.ensure_future(self._run())
