@@ -31,8 +31,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from bench.efficacy import (
     GRACE_S,
     Clock,
@@ -51,6 +49,7 @@ from bench.efficacy import (
     warmup_load,
 )
 from kvguard.errors import KvguardError
+from kvguard.http_client import client_session
 from kvguard.probes.engine import EngineProbe
 from kvguard.sim.loadgen import run_load
 from kvguard.telemetry import configure_logging
@@ -97,7 +96,7 @@ async def settle(url: str) -> None:
             await asyncio.sleep(0.5)
     finally:
         await probe.close()
-    async with aiohttp.ClientSession() as http:
+    async with client_session() as http:  # a POST on a connection vLLM is closing is lost
         for _ in range(20):  # refused while blocks are still held: retry briefly
             async with http.post(f"{url}/reset_prefix_cache") as answer:
                 if answer.status == 200:

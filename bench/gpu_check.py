@@ -60,6 +60,7 @@ from bench.gpu_report import (
     render_table,
     write_results,
 )
+from kvguard.http_client import client_session
 from kvguard.model_files import BUNDLED_MODELS_DIR
 from kvguard.telemetry import configure_logging
 from kvguard.testing import (
@@ -260,7 +261,7 @@ async def run_fake(settings: Settings) -> tuple[dict[str, Any], dict[str, str]]:
         max_seq_tokens=settings.max_seq_tokens,
     )
     try:
-        async with aiohttp.ClientSession() as session:
+        async with client_session() as session:
 
             async def tick() -> None:
                 await daemon.tick()
@@ -627,7 +628,7 @@ async def run_gpu(settings: Settings, out: Path) -> tuple[dict[str, Any], dict[s
     try:
         ready = await load.wait_for(("ready",), 120)
         guard = Guard(settings, out, engine_url, int(ready["pid"]))
-        async with aiohttp.ClientSession() as session:
+        async with client_session() as session:
             try:
                 await guard.start(session)
                 load.go()

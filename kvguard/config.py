@@ -223,6 +223,9 @@ class ProxyConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
+    # Idle upstream connections are dropped after this (0: one connection per request).
+    # Keep it under the engine's keep-alive timeout (5 s for uvicorn and llama-server).
+    upstream_keepalive_s: float = 4.0  # kvguard.http_client.DEFAULT_KEEPALIVE_S
     min_completion_tokens: int = 16
     fail_readiness_at: str = "critical"  # or "never": /readyz 503 while shedding at this level
     admission: str = "off"  # "projected": admit against the engine's pool, no poll delay
@@ -449,6 +452,7 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "max_body_bytes": size,
         "connect_timeout_s": number(0.0, 600.0),
         "read_timeout_s": number(0.0, 86_400.0),
+        "upstream_keepalive_s": number(0.0, 3600.0, low_open=False),
         "min_completion_tokens": integer(1),
         "fail_readiness_at": choice(("critical", "high", "never")),
         "admission": choice(("off", "projected")),

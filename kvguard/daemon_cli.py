@@ -257,6 +257,7 @@ def make_proxy(config: Config, daemon: Daemon) -> AdmissionProxy:
         max_body_bytes=proxy.max_body_bytes,
         connect_timeout_s=proxy.connect_timeout_s,
         read_timeout_s=proxy.read_timeout_s,
+        upstream_keepalive_s=proxy.upstream_keepalive_s,
         min_completion_tokens=proxy.min_completion_tokens,
         admission=proxy.admission,
         admission_ratio=proxy.admission_ratio,

@@ -69,6 +69,7 @@ def test_every_problem_is_reported_at_once():
         ("poll", {"interval_s": 0.2, "min_interval_s": 0.5}, "poll.min_interval_s"),
         ("model", {"gpu_memory_utilization": 1.5}, "model.gpu_memory_utilization"),
         ("log", {"level": "loud"}, "log.level"),
+        ("proxy", {"upstream_keepalive_s": -1}, "proxy.upstream_keepalive_s"),
     ],
 )
 def test_bad_values_name_their_field(section, values, field):

@@ -65,6 +65,7 @@ import structlog
 from yarl import URL
 
 from kvguard.errors import InvalidInputError
+from kvguard.http_client import client_session
 
 AdminAction = Literal["evict", "pause", "resume"]
 ADMIN_ACTIONS: tuple[AdminAction, ...] = ("evict", "pause", "resume")
@@ -429,9 +430,9 @@ class EngineAdmin:
     # ------------------------------------------------------------------ HTTP
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            # Made lazily: a ClientSession belongs to the running loop. trust_env=False:
-            # a proxy from the environment must not stand between us and a local engine.
-            self._session = aiohttp.ClientSession(trust_env=False)
+            # Made lazily: a ClientSession belongs to the running loop. No proxy from the
+            # environment stands between us and a local engine (client_session).
+            self._session = client_session()
         return self._session
 
     async def _send(

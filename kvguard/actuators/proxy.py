@@ -48,6 +48,7 @@ from kvguard.actuators.accounting import (
 from kvguard.actuators.mitigations import Mitigations, request_priority
 from kvguard.config import ENGINE_ADMIN_PATHS
 from kvguard.config_fields import PATH_METHODS, is_loopback
+from kvguard.http_client import DEFAULT_KEEPALIVE_S, client_session
 
 log = structlog.get_logger("kvguard.proxy")
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -132,6 +133,7 @@ class ProxySettings:
     max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
+    upstream_keepalive_s: float = DEFAULT_KEEPALIVE_S  # under the engine's keep-alive timer
     min_completion_tokens: int = 16
     admission: str = "off"  # "projected": admit against the engine's pool (see _make_room)
     admission_ratio: float = 0.95
@@ -239,13 +241,15 @@ class AdmissionProxy:
     def session(self) -> aiohttp.ClientSession:
         """The pooled keep-alive session to the upstream (created on first use)."""
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
+            # No HTTP_PROXY from the environment; idle connections dropped before the
+            # engine's own keep-alive timer can close one under a request (http_client).
+            self._session = client_session(
+                keepalive_s=self.settings.upstream_keepalive_s,
                 timeout=aiohttp.ClientTimeout(
                     sock_connect=self.settings.connect_timeout_s,
                     sock_read=self.settings.read_timeout_s,
                 ),
                 auto_decompress=False,  # bytes pass through as the engine sent them
-                trust_env=False,  # never an HTTP_PROXY from the environment
             )
         return self._session
 

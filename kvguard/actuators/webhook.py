@@ -53,6 +53,7 @@ from yarl import URL
 
 from kvguard import __version__
 from kvguard.errors import InvalidInputError
+from kvguard.http_client import client_session
 
 log = structlog.get_logger("kvguard.webhook")
 
@@ -255,7 +256,7 @@ class Webhooks:
         if self._tasks or self._closed:
             return
         # Created here, not in __init__: a ClientSession belongs to the running loop.
-        self._session = aiohttp.ClientSession(trust_env=False)  # never an HTTP_PROXY from env
+        self._session = client_session()  # never an HTTP_PROXY from env
         self._tasks = [
             asyncio.create_task(self._run(target), name=f"kvguard-webhook-{index}")
             for index, target in enumerate(self._targets)

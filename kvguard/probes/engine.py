@@ -24,6 +24,7 @@ import aiohttp
 from yarl import URL
 
 from kvguard.errors import InvalidInputError, ProbeError
+from kvguard.http_client import client_session
 from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
 from kvguard.probes.engines import ADAPTERS, EngineAdapter, EngineScrape
 from kvguard.probes.engines.base import KIND_PREFIXES, PROBE_NAME, detect_kind
@@ -221,7 +222,7 @@ class EngineProbe:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # Created lazily: a ClientSession must be made inside the running loop.
-            self._session = aiohttp.ClientSession(trust_env=False)
+            self._session = client_session()
             self._owns_session = True
         return self._session
 

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from kvguard.errors import InvalidInputError
+from kvguard.http_client import DEFAULT_KEEPALIVE_S
 from kvguard.sim.loadgen_report import (
     ClassCounts,
     LoadReport,
@@ -535,7 +536,11 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
     what is in flight is cancelled and counted unfinished, and the report covers
     what was sent.
     """
-    connector = aiohttp.TCPConnector(limit=config.concurrency)
+    # Idle connections dropped before the server's keep-alive timer could close one
+    # under a new POST (kvguard.http_client): that request would be lost, not refused.
+    connector = aiohttp.TCPConnector(
+        limit=config.concurrency, keepalive_timeout=DEFAULT_KEEPALIVE_S
+    )
     # Scrapes get their own session: a saturated request pool must not starve the
     # KV sampler exactly when the cache is fullest.
     async with (

@@ -182,6 +182,97 @@ async def test_limits_and_upstream_failures(echo, proxy_to):
             assert resp.status == 504
 
 
+class ClosingIdleEngine:
+    """An HTTP/1.1 upstream whose keep-alive timer fires as a request comes in.
+
+    A request arriving on a connection idle for ``idle_close_s`` or more is read and
+    dropped unanswered, the way uvicorn (vLLM, SGLang) or llama-server close an idle
+    connection in the instant a client reuses it. Answers are ``{"ok": true}``.
+    """
+
+    def __init__(self, idle_close_s: float) -> None:
+        self.idle_close_s = idle_close_s
+        self.connections = 0
+        self.answered = 0
+        self.dropped = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        loop = asyncio.get_running_loop()
+        idle_since = loop.time()
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                if loop.time() - idle_since >= self.idle_close_s:
+                    self.dropped += 1
+                    return
+                body = b'{"ok": true}'
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+                self.answered += 1
+                idle_since = loop.time()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize("keepalive_s", [0.2, 0.0])
+async def test_idle_upstream_connections_are_not_reused_as_the_engine_closes_them(
+    proxy_to, keepalive_s
+):
+    """A POST after a pause gets its answer, not a 502 for a request the engine never saw.
+
+    The engine drops a request that arrives on a connection idle for 0.5 s; the proxy
+    keeps idle connections for 0.2 s (or none at all), so its second POST, 0.7 s after
+    the first, goes out on a new connection. (Real time: aiohttp's pool reads its own
+    clock.) With aiohttp's default of 15 s the second POST was a 502.
+    """
+    engine = ClosingIdleEngine(idle_close_s=0.5)
+    upstream = await engine.start()
+    try:
+        proxy, state = await proxy_to(upstream, upstream_keepalive_s=keepalive_s)
+        async with aiohttp.ClientSession() as http:
+            for pause_s in (0.0, 0.7):
+                await asyncio.sleep(pause_s)
+                async with http.post(f"{proxy}/v1/completions", json=completion(5, 3)) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert await resp.json() == {"ok": True}
+    finally:
+        await engine.close()
+    assert (engine.answered, engine.dropped, engine.connections) == (2, 0, 2)
+    assert state.counters.upstream_errors == {}
+
+
+def test_the_configured_default_keepalive_is_the_clients():
+    """[proxy] upstream_keepalive_s defaults to the shared client's figure, under 5 s."""
+    from kvguard.config import ProxyConfig  # noqa: PLC0415 - only this test needs it
+    from kvguard.http_client import DEFAULT_KEEPALIVE_S  # noqa: PLC0415
+
+    default = ProxySettings(upstream="http://127.0.0.1:1").upstream_keepalive_s
+    assert ProxyConfig().upstream_keepalive_s == default == DEFAULT_KEEPALIVE_S < 5.0
+
+
 def completion(prompt_words: int, max_tokens: int | None = None, **extra) -> dict:
     """A /v1/completions body with a prompt of exactly ``prompt_words`` sim tokens."""
     body = {"prompt": " ".join(["word"] * prompt_words), **extra}
@@ -900,6 +991,7 @@ async def test_make_proxy_uses_the_configured_path_rules(echo, serve):
                 "allowed_paths": ["/v1", "/health"],
                 "blocked_paths": ["/v1/embeddings", "DELETE /v1/models"],
                 "trust_priority_header": False,
+                "upstream_keepalive_s": 0,
             },
         },
         env={},
@@ -922,6 +1014,7 @@ async def test_make_proxy_uses_the_configured_path_rules(echo, serve):
         async with http.post(f"{front}/reset_prefix_cache") as resp:
             assert resp.status == 404  # the configured lists replace the defaults
     assert proxy.settings.trust_priority_header is False
+    assert proxy.settings.upstream_keepalive_s == 0.0
     assert [s["path"] for s in seen] == ["/v1/models"]
     await daemon.close()
 
