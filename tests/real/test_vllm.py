@@ -31,6 +31,7 @@ from kvguard.actuators.reconfigure import (
     ReconfigureTimes,
     SupervisorRestarter,
 )
+from kvguard.http_client import client_session
 from kvguard.inprocess import start_guard
 from kvguard.probes.engines.base import EngineScrape
 from kvguard.probes.engines.vllm import VllmAdapter
@@ -187,7 +188,7 @@ async def test_probe_reads_what_the_engine_reports_idle_and_under_load(vllm_engi
     after the probe bracket it and must agree; the probe must equal both.
     """
     url = vllm_engine.url
-    async with aiohttp.ClientSession() as http:
+    async with client_session() as http:
         # Counters and histograms are non-zero from here on.
         warm = await send(http, url, BurstRequest(list(range(1_000, 1_040)), 24, "standard"))
         assert warm.status == 200, warm.raw
@@ -246,7 +247,7 @@ async def test_budget_predicts_the_engine_kv_capacity(vllm_engine):  # noqa: F81
     Allowed: exact, or within one block.
     """
     predicted = await budget()
-    async with aiohttp.ClientSession() as http:
+    async with client_session() as http:
         config = (await scrape(http, vllm_engine.url)).cache_config
     blocks, block_size = int(config["num_gpu_blocks"]), int(config["block_size"])
     reported_tokens = int(config["kv_cache_size_tokens"])
@@ -316,7 +317,7 @@ async def test_admin_evict_is_retried_while_blocks_are_held(vllm_engine):  # noq
         await asyncio.sleep(seconds)
 
     admin = EngineAdmin(url, "vllm", timeout_s=15, retries=10, backoff_s=0.25, sleep=backoff)
-    async with aiohttp.ClientSession() as http:
+    async with client_session() as http:
         try:
             await until_metrics(http, url, idle, limit_s=60, what="idle")
             at_rest = await admin.evict()
@@ -351,7 +352,7 @@ async def test_admin_pause_waits_for_running_requests_and_resume_admits(vllm_eng
     """
     url = vllm_engine.url
     admin = EngineAdmin(url, "vllm", timeout_s=15, retries=3, backoff_s=0.25)
-    async with aiohttp.ClientSession() as http:
+    async with client_session() as http:
         try:
             await until_metrics(http, url, idle, limit_s=60, what="idle")
             running = await start_long(http, url)
@@ -441,7 +442,7 @@ async def test_kvguard_cuts_preemptions_of_a_real_burst(vllm_engine):  # noqa: F
     """
     url = vllm_engine.url
     burst = seeded_burst()
-    async with aiohttp.ClientSession() as http:
+    async with client_session() as http:
         await until_metrics(http, url, idle, limit_s=60, what="idle")
         async with http.post(f"{url}/reset_prefix_cache") as reset:
             assert (await reset.json())["success"] is True
@@ -547,7 +548,7 @@ async def test_fp8_switch_under_kvguard_supervisor_doubles_the_pool(tmp_path: Pa
     """
     require_vllm()
     predicted = await budget()
-    async with supervised_vllm(tmp_path, dev_mode=False) as rig, aiohttp.ClientSession() as http:
+    async with supervised_vllm(tmp_path, dev_mode=False) as rig, client_session() as http:
         original = await rig.healthy()
         assert (original.kv_capacity_tokens, original.cache_dtype) == (POOL_TOKENS, "auto")
 
