@@ -30,7 +30,8 @@ def client_session(
 
     ``keepalive_s`` 0: a new connection for every request. The pool has no size cap (a
     cap would queue requests inside kvguard, unseen by its metrics; the engine queues
-    them itself and reports it). Never takes an HTTP proxy from the environment.
+    them itself and reports it). Never takes an HTTP proxy from the environment, and
+    keeps no cookies.
     ``timeout`` and ``auto_decompress`` are aiohttp's (its defaults when not given).
     Call it inside the running event loop.
     """
@@ -41,6 +42,10 @@ def client_session(
     return aiohttp.ClientSession(
         connector=connector,
         trust_env=False,
+        # No cookie jar: the proxy's session serves every client, and a Set-Cookie
+        # from the upstream (a hostname, e.g. a gateway's sticky session) would go
+        # out on the next client's requests. Each client's own Cookie header passes.
+        cookie_jar=aiohttp.DummyCookieJar(),
         timeout=timeout if timeout is not None else DEFAULT_TIMEOUT,
         auto_decompress=auto_decompress,
     )

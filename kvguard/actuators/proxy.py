@@ -96,7 +96,7 @@ PROMPT_SHAPING_FIELDS = (
 )
 # Prompt counts asked of the engine in the background at once, at most; past it (the
 # engine tokenizes slowly) a request keeps its estimate, which errs high.
-MAX_BACKGROUND_COUNTS = 16  # they share the upstream pool with the requests forwarded
+MAX_BACKGROUND_COUNTS = 16  # each is one more request on the engine's API server
 # Requests of a shed class held for room, at most: this many pools' worth (projected).
 # One pool's worth sheds bursts the engine would have served within shed_wait_s; four
 # kept the simulator's bursty_short goodput within 5% of holding without a bound.

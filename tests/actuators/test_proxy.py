@@ -185,9 +185,10 @@ async def test_limits_and_upstream_failures(echo, proxy_to):
 class ClosingIdleEngine:
     """An HTTP/1.1 upstream whose keep-alive timer fires as a request comes in.
 
-    A request arriving on a connection idle for ``idle_close_s`` or more is read and
-    dropped unanswered, the way uvicorn (vLLM, SGLang) or llama-server close an idle
-    connection in the instant a client reuses it. Answers are ``{"ok": true}``.
+    A request arriving on a connection idle for ``idle_close_s`` or more since its last
+    answer is read and dropped unanswered, the way uvicorn (vLLM, SGLang) or
+    llama-server close an idle connection in the instant a client reuses it. Answers
+    are ``{"ok": true}``.
     """
 
     def __init__(self, idle_close_s: float) -> None:
@@ -196,6 +197,7 @@ class ClosingIdleEngine:
         self.answered = 0
         self.dropped = 0
         self.server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -205,12 +207,15 @@ class ClosingIdleEngine:
     async def close(self) -> None:
         assert self.server is not None
         self.server.close()
+        for writer in self._writers:  # 3.12+: wait_closed() waits for open connections
+            writer.close()
         await self.server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self._writers.add(writer)
         loop = asyncio.get_running_loop()
-        idle_since = loop.time()
+        idle_since: float | None = None  # the timer starts at an answer, as uvicorn's does
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -220,7 +225,7 @@ class ClosingIdleEngine:
                     if name.strip().lower() == b"content-length":
                         length = int(value)
                 await reader.readexactly(length)
-                if loop.time() - idle_since >= self.idle_close_s:
+                if idle_since is not None and loop.time() - idle_since >= self.idle_close_s:
                     self.dropped += 1
                     return
                 body = b'{"ok": true}'
@@ -234,6 +239,7 @@ class ClosingIdleEngine:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self._writers.discard(writer)
             writer.close()
 
 
@@ -262,6 +268,52 @@ async def test_idle_upstream_connections_are_not_reused_as_the_engine_closes_the
         await engine.close()
     assert (engine.answered, engine.dropped, engine.connections) == (2, 0, 2)
     assert state.counters.upstream_errors == {}
+
+
+async def test_a_pooled_connection_kept_past_the_engines_timer_loses_the_request(proxy_to):
+    """The control for the test above: kept 5 s, the connection is reused and dropped."""
+    engine = ClosingIdleEngine(idle_close_s=0.5)
+    upstream = await engine.start()
+    try:
+        proxy, state = await proxy_to(upstream, upstream_keepalive_s=5.0)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{proxy}/v1/completions", json=completion(5, 3)) as resp:
+                assert resp.status == 200
+            await asyncio.sleep(0.7)
+            async with http.post(f"{proxy}/v1/completions", json=completion(5, 3)) as resp:
+                assert resp.status == 502
+                assert (await resp.json())["error"]["code"] == "upstream_unreachable"
+    finally:
+        await engine.close()
+    assert (engine.answered, engine.dropped, engine.connections) == (1, 1, 1)
+    assert state.counters.upstream_errors == {"502": 1}
+
+
+async def test_no_cookie_from_the_engine_reaches_another_client(serve, proxy_to):
+    """The upstream's Set-Cookie is passed back, never stored and sent for others.
+
+    The upstream is named ``localhost``: aiohttp's default jar refuses cookies from IP
+    addresses only, so a hostname upstream (a gateway with sticky sessions) would
+    have had its cookie sent on every later client's requests.
+    """
+    seen: list[str | None] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Cookie"))
+        return web.json_response({"ok": True}, headers={"Set-Cookie": "route=alice; Path=/"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    upstream = (await serve(app)).replace("127.0.0.1", "localhost")
+    proxy, _ = await proxy_to(upstream)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+        async with http.get(f"{proxy}/v1/models") as resp:
+            assert resp.headers["Set-Cookie"] == "route=alice; Path=/"  # alice gets hers
+        async with http.get(f"{proxy}/v1/models") as resp:  # another client, no cookie
+            assert resp.status == 200
+        async with http.get(f"{proxy}/v1/models", headers={"Cookie": "mine=1"}) as resp:
+            assert resp.status == 200
+    assert seen == [None, None, "mine=1"]
 
 
 def test_the_configured_default_keepalive_is_the_clients():
