@@ -55,6 +55,8 @@ from tests.real.vllm_engine import (
     seeded_burst,
     send,
     send_burst,
+    settled,
+    step_until,
     stream,
     supervised_vllm,
     thaw,
@@ -201,27 +203,34 @@ async def test_probe_reads_what_the_engine_reports_idle_and_under_load(vllm_engi
         assert engine["prompt_tokens_total"] >= 40
         capture("vllm-cpu-idle.txt", before, "Idle after one request of 40 + 24 tokens.")
 
-        # The gauges are published per step: a freeze can catch a snapshot taken before
-        # the running requests had blocks. Such a freeze is not read as a result: the
-        # burst runs to its end and a fresh one (the next seed, so no prefix is cached)
-        # is frozen instead, at most three in all. A burst lasts seconds on CPU, so
-        # waiting out the same one after a thaw can miss its busy phase (CI did).
+        # The burst is stepped into the state (thawed 0.1 s at a time, then frozen and
+        # read once the API server has caught up): polling the live gauges missed it on
+        # a loaded machine, where one scrape outlasted the whole busy phase. A burst
+        # stepped past it (finished first) is followed by a fresh one, the next seed so
+        # no prefix is cached, three at most.
         answers: list[Any] = []
+        frozen: EngineMetrics | None = None
         for seed in (3, 4, 5):
-            load = [asyncio.ensure_future(send(http, url, r)) for r in seeded_burst(seed, 12)]
+            burst = seeded_burst(seed, 12)
+            done = (await scrape(http, url))["vllm:request_success_total"] + len(burst)
+            load = [asyncio.ensure_future(send(http, url, r)) for r in burst]
             try:
-                await until_metrics(http, url, busy, limit_s=60, what="running and waiting")
-                await freeze(http, url)
-                before = await scrape(http, url)
-                if busy(before):
+                frozen = await step_until(
+                    http,
+                    url,
+                    busy,
+                    over=lambda m, done=done: m["vllm:request_success_total"] >= done,
+                )
+                if frozen is not None:
+                    before = frozen
                     engine = await probe_json(url)
                     after = await scrape(http, url)
             finally:
                 await thaw(http, url)
                 answers += await asyncio.gather(*load)
-            if busy(before):
+            if frozen is not None:
                 break
-        assert busy(before), "three frozen bursts, none caught running and waiting"
+        assert frozen is not None, "three bursts stepped through, none caught running and waiting"
         assert [after[n] for n in FROZEN] == [before[n] for n in FROZEN], "not frozen"
         compare_probe(engine, before)
         assert engine["kv_cache_usage_ratio"] > 0
@@ -278,27 +287,39 @@ async def start_long(http: aiohttp.ClientSession, url: str) -> asyncio.Future[An
     return running
 
 
+def holding(metrics: EngineMetrics) -> bool:
+    """:data:`LONG` running and holding blocks."""
+    return metrics["vllm:num_requests_running"] == 1 and metrics["vllm:kv_cache_usage_perc"] > 0
+
+
 async def start_long_and_freeze(
     http: aiohttp.ClientSession, url: str
 ) -> tuple[asyncio.Future[Answer], EngineMetrics]:
     """:data:`LONG` frozen mid-answer, holding blocks, and the metrics then.
 
-    On an idle machine LONG can finish between its first token and the freeze; then
-    it is tried again (at most three times), rather than reading a race as a result.
+    Frozen on its first token, and read once the API server has caught up. A loaded
+    API server can stream that token after the engine has generated much more: if the
+    freeze found LONG not holding blocks (the gauges' last step, or LONG done), it is
+    stepped into that state (:func:`step_until`); one that ran to its end is tried
+    again, three times at most.
     """
     for _ in range(3):
+        done = (await scrape(http, url))["vllm:request_success_total"]
         running = await start_long(http, url)
         await freeze(http, url)
-        for _ in range(30):  # the gauges follow the last step: give them a moment
-            frozen = await scrape(http, url)
-            if frozen["vllm:num_requests_running"] == 1 or running.done():
-                break
-            await asyncio.sleep(0.1)
-        if frozen["vllm:num_requests_running"] == 1:
-            break
+        frozen = await settled(http, url)
+        if holding(frozen):
+            return running, frozen
+        if frozen["vllm:request_success_total"] == done:  # not done: step on to it
+            await thaw(http, url)
+            stepped = await step_until(
+                http, url, holding, over=lambda m, done=done: m["vllm:request_success_total"] > done
+            )
+            if stepped is not None:
+                return running, stepped
         await thaw(http, url)
         await running
-    return running, frozen  # the caller asserts what it holds
+    raise AssertionError("LONG ran to its end three times before a freeze caught it running")
 
 
 @real_engine
@@ -458,7 +479,8 @@ async def test_kvguard_cuts_preemptions_of_a_real_burst(vllm_engine):  # noqa: F
         # a local run under load took 2 samples in the whole burst).
         assert direct_preemptions > 0, f"no preemption; {direct_watch!r}"
         # Each request is queued for an instant before it runs: 30 of those come to
-        # milliseconds. A second or more means requests waited for room.
+        # milliseconds. A second or more means requests waited their turn (for one of
+        # the 8 sequence slots, or for blocks; vLLM counts only the first wait).
         assert direct_queued_s >= 1.0, f"queued {direct_queued_s:.3f} s; {direct_watch!r}"
 
         # The first run's blocks stay cached for its prompts: clear them for a fair rerun.

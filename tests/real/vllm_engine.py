@@ -396,6 +396,68 @@ async def thaw(http: aiohttp.ClientSession, url: str) -> None:
         assert answer.status == 200, await answer.text()
 
 
+# What a frozen engine must keep still: its gauges and the counters its steps move.
+STEPPED = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+)
+
+
+async def settled(http: aiohttp.ClientSession, url: str, *, limit_s: float = 60) -> EngineMetrics:
+    """The metrics of a frozen engine once two scrapes 0.25 s apart agree.
+
+    The API server publishes each engine step's figures as it handles that step's
+    output, and on a loaded machine it can run seconds behind the engine: the first
+    scrapes after a freeze may still be catching up.
+    """
+    start = time.monotonic()
+    last = await scrape(http, url)
+    while True:
+        await asyncio.sleep(0.25)
+        now = await scrape(http, url)
+        if [now[n] for n in STEPPED] == [last[n] for n in STEPPED]:
+            return now
+        if time.monotonic() - start > limit_s:
+            raise AssertionError(f"a frozen engine's metrics still moved after {limit_s:g} s")
+        last = now
+
+
+async def step_until(
+    http: aiohttp.ClientSession,
+    url: str,
+    check: Callable[[EngineMetrics], bool],
+    *,
+    over: Callable[[EngineMetrics], bool],
+    step_s: float = 0.1,
+    limit_s: float = 120,
+) -> EngineMetrics | None:
+    """Run the engine in short steps until ``check``; leave it frozen there.
+
+    Each step thaws the engine for ``step_s``, freezes it, and reads its settled
+    metrics. Waiting for a state through the live gauges instead misses it on a slow
+    machine: one scrape of a busy API server can outlast the state (CI saw a burst's
+    busy phase pass between two scrapes). Returns those metrics, the engine frozen; or
+    None, the engine thawed, once ``over`` holds (the state was stepped past or will
+    not come) or after ``limit_s``.
+    """
+    start = time.monotonic()
+    await freeze(http, url)
+    while True:
+        metrics = await settled(http, url)
+        if check(metrics):
+            return metrics
+        await thaw(http, url)
+        if over(metrics) or time.monotonic() - start > limit_s:
+            return None
+        await asyncio.sleep(step_s)
+        await freeze(http, url)
+
+
 def idle(metrics: EngineMetrics) -> bool:
     """Nothing running or waiting."""
     return metrics["vllm:num_requests_running"] == 0 and metrics["vllm:num_requests_waiting"] == 0
