@@ -1,6 +1,7 @@
 """HTTP client sessions for kvguard's outbound requests (engine, admin API, webhooks).
 
-One rule lives here: a pooled connection is reused only while it is surely still open.
+Two rules live here. No state is shared between requests (no cookie jar, no proxy from
+the environment). And a pooled connection is reused only while it is surely still open.
 Engine API servers close an idle keep-alive connection on their own timer (uvicorn,
 under vLLM, SGLang and TensorRT-LLM's server, after 5 s; llama-server after 5 s). A
 request sent on a connection the server closes in that same instant is lost: the server
