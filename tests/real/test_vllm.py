@@ -281,38 +281,48 @@ async def start_long(http: aiohttp.ClientSession, url: str) -> asyncio.Future[An
 
 
 def holding(metrics: EngineMetrics) -> bool:
-    """:data:`LONG` running and holding blocks."""
-    return metrics["vllm:num_requests_running"] == 1 and metrics["vllm:kv_cache_usage_perc"] > 0
+    """Requests running and holding blocks."""
+    return metrics["vllm:num_requests_running"] >= 1 and metrics["vllm:kv_cache_usage_perc"] > 0
 
 
-async def start_long_and_freeze(
-    http: aiohttp.ClientSession, url: str
-) -> tuple[asyncio.Future[Answer], EngineMetrics]:
-    """:data:`LONG` frozen mid-answer, holding blocks, and the metrics then.
+class Chains:
+    """Requests like :data:`LONG` sent back to back on ``count`` chains until stopped.
 
-    Frozen on its first token, and read once the API server has caught up. A loaded
-    API server can stream that token after the engine has generated much more: if the
-    freeze found LONG not holding blocks (the gauges' last step, or LONG done), it is
-    stepped into that state (:func:`step_until`); one that ran to its end is tried
-    again, three times at most.
+    The engine holds blocks the whole time, so a freeze at any moment finds some:
+    no test has to hit the few seconds one request runs, which a starved test process
+    on a loaded machine cannot (it saw LONG's first token after LONG had ended).
     """
-    for _ in range(3):
-        done = (await scrape(http, url))["vllm:request_success_total"]
-        running = await start_long(http, url)
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, count: int = 2) -> None:
+        self.answers: list[Answer] = []
+        self._stop = False
+        self._tasks = [asyncio.ensure_future(self._chain(http, url, n)) for n in range(count)]
+
+    async def _chain(self, http: aiohttp.ClientSession, url: str, chain: int) -> None:
+        sent = 0
+        while not self._stop:
+            first = 2_000 + 100 * (10 * chain + sent % 10)  # prompts apart: nothing cached
+            request = BurstRequest(list(range(first, first + 20)), LONG.max_tokens, "standard")
+            self.answers.append(await send(http, url, request))
+            sent += 1
+
+    async def stop(self) -> list[Answer]:
+        """Send no more; every answer once those in flight are done."""
+        self._stop = True
+        await asyncio.gather(*self._tasks)
+        return self.answers
+
+
+async def freeze_holding_blocks(http: aiohttp.ClientSession, url: str) -> EngineMetrics:
+    """Freeze the engine while the chains' requests hold blocks; its settled metrics."""
+    for _ in range(20):
         await freeze(http, url)
         frozen = await settled(http, url)
         if holding(frozen):
-            return running, frozen
-        if frozen["vllm:request_success_total"] == done:  # not done: step on to it
-            await thaw(http, url)
-            stepped = await step_until(
-                http, url, holding, over=lambda m, done=done: m["vllm:request_success_total"] > done
-            )
-            if stepped is not None:
-                return running, stepped
-        await thaw(http, url)
-        await running
-    raise AssertionError("LONG ran to its end three times before a freeze caught it running")
+            return frozen
+        await thaw(http, url)  # between two requests, or not started yet
+        await asyncio.sleep(0.2)
+    raise AssertionError("20 freezes, none found blocks held")
 
 
 @real_engine
@@ -320,8 +330,9 @@ async def test_admin_evict_is_retried_while_blocks_are_held(vllm_engine):  # noq
     """EngineAdmin's reset_prefix_cache: done at rest; refused while held, then retried.
 
     vLLM 0.32 (CPU) answers ``{"success": false}`` with HTTP 200 while a request holds
-    blocks. To hold them for as long as the test needs, the request is frozen
-    mid-answer; EngineAdmin retries until the engine runs again and the request ends.
+    blocks. Requests run back to back (:class:`Chains`), and the engine is frozen while
+    they hold blocks; EngineAdmin retries until the engine runs again, the chains stop
+    and the last requests end.
     """
     url = vllm_engine.url
     retried = asyncio.Event()
@@ -339,19 +350,23 @@ async def test_admin_evict_is_retried_while_blocks_are_held(vllm_engine):  # noq
             assert at_rest.attempts == 1
             assert at_rest.detail == "prefix cache reset"
 
-            running, frozen = await start_long_and_freeze(http, url)
-            assert frozen["vllm:num_requests_running"] == 1
-            assert frozen["vllm:kv_cache_usage_perc"] > 0
-            async with http.post(f"{url}/reset_prefix_cache") as refused:
-                assert refused.status == 200
-                assert await refused.json() == {"success": False}  # blocks are held
-            evicting = asyncio.ensure_future(admin.evict())
-            await asyncio.wait_for(retried.wait(), 30)  # refused, and retrying
-            await thaw(http, url)
+            chains = Chains(http, url)
+            try:
+                frozen = await freeze_holding_blocks(http, url)
+                assert frozen["vllm:num_requests_running"] >= 1
+                assert frozen["vllm:kv_cache_usage_perc"] > 0
+                async with http.post(f"{url}/reset_prefix_cache") as refused:
+                    assert refused.status == 200
+                    assert await refused.json() == {"success": False}  # blocks are held
+                evicting = asyncio.ensure_future(admin.evict())
+                await asyncio.wait_for(retried.wait(), 30)  # refused, and retrying
+            finally:
+                finished, _ = await asyncio.gather(chains.stop(), thaw(http, url))
             held = await evicting
             assert held.ok, held.detail
             assert held.attempts > 1
-            assert (await running).completion_tokens == LONG.max_tokens
+            assert finished
+            assert all(a.completion_tokens == LONG.max_tokens for a in finished), finished
         finally:
             await thaw(http, url)  # never leave the shared engine paused
             await admin.close()
