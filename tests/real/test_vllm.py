@@ -49,14 +49,12 @@ from tests.real.vllm_engine import (
     EngineMetrics,
     SupervisedVllm,
     UsageWatch,
-    freeze,
     idle,
     require_vllm,
     scrape,
     seeded_burst,
     send,
     send_burst,
-    settled,
     step_until,
     stream,
     supervised_vllm,
@@ -301,7 +299,7 @@ class Chains:
     async def _chain(self, http: aiohttp.ClientSession, url: str, chain: int) -> None:
         sent = 0
         while not self._stop:
-            first = 2_000 + 100 * (10 * chain + sent % 10)  # prompts apart: nothing cached
+            first = 2_000 + 100 * (10 * chain + sent % 10)  # ten prompts per chain, in turn
             request = BurstRequest(list(range(first, first + 20)), LONG.max_tokens, "standard")
             self.answers.append(await send(http, url, request))
             sent += 1
@@ -311,18 +309,6 @@ class Chains:
         self._stop = True
         await asyncio.gather(*self._tasks)
         return self.answers
-
-
-async def freeze_holding_blocks(http: aiohttp.ClientSession, url: str) -> EngineMetrics:
-    """Freeze the engine while the chains' requests hold blocks; its settled metrics."""
-    for _ in range(20):
-        await freeze(http, url)
-        frozen = await settled(http, url)
-        if holding(frozen):
-            return frozen
-        await thaw(http, url)  # between two requests, or not started yet
-        await asyncio.sleep(0.2)
-    raise AssertionError("20 freezes, none found blocks held")
 
 
 @real_engine
@@ -352,7 +338,11 @@ async def test_admin_evict_is_retried_while_blocks_are_held(vllm_engine):  # noq
 
             chains = Chains(http, url)
             try:
-                frozen = await freeze_holding_blocks(http, url)
+                # A freeze between two requests finds none holding blocks: step on.
+                frozen = await step_until(
+                    http, url, holding, over=lambda _m: False, step_s=0.2, limit_s=60
+                )
+                assert frozen is not None, "no freeze within 60 s found blocks held"
                 assert frozen["vllm:num_requests_running"] >= 1
                 assert frozen["vllm:kv_cache_usage_perc"] > 0
                 async with http.post(f"{url}/reset_prefix_cache") as refused:
