@@ -51,19 +51,19 @@ import aiohttp
 
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
-from kvguard.daemon import Daemon
-from kvguard.daemon_cli import listen
+from kvguard.api.telemetry import configure_logging
+from kvguard.cli.daemon import listen
+from kvguard.core.policy import LEVELS
+from kvguard.core.snapshot import Snapshot
 from kvguard.errors import KvguardError
-from kvguard.inprocess import free_port, start_guard, start_watcher
-from kvguard.model.policy import LEVELS
-from kvguard.model.snapshot import Snapshot
 from kvguard.probes.engine import EngineProbe
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.inprocess import free_port, start_guard, start_watcher
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.loadgen_report import LoadReport
 from kvguard.sim.runner import PoolSpec, SimServer, size_pool, start_sim_server
 from kvguard.sim.traffic import PRIORITIES
-from kvguard.telemetry import configure_logging
 
 RESULTS = Path("bench/results")
 POOL = PoolSpec(

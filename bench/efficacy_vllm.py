@@ -48,11 +48,11 @@ from bench.efficacy import (
     targets,
     warmup_load,
 )
+from kvguard.api.telemetry import configure_logging
 from kvguard.errors import KvguardError
 from kvguard.http_client import client_session
 from kvguard.probes.engine import EngineProbe
 from kvguard.sim.loadgen import run_load
-from kvguard.telemetry import configure_logging
 
 RESULTS = Path("bench/results")
 PATTERNS = ("bursty_short", "long_context")

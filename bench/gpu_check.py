@@ -60,9 +60,9 @@ from bench.gpu_report import (
     render_table,
     write_results,
 )
+from kvguard.api.telemetry import configure_logging
+from kvguard.config.model_files import BUNDLED_MODELS_DIR
 from kvguard.http_client import client_session
-from kvguard.model_files import BUNDLED_MODELS_DIR
-from kvguard.telemetry import configure_logging
 from kvguard.testing import (
     FakeGpu,
     FakeNvml,
@@ -138,7 +138,7 @@ def to_toml(config: dict[str, Any]) -> str:
 
 def free_port() -> int:
     """A port free on 127.0.0.1 now."""
-    from kvguard.inprocess import free_port as pick  # noqa: PLC0415 - one helper, shared
+    from kvguard.runtime.inprocess import free_port as pick  # noqa: PLC0415 - one helper, shared
 
     return pick()
 
@@ -201,12 +201,12 @@ class SimulatedBackend:
 
 async def run_fake(settings: Settings) -> tuple[dict[str, Any], dict[str, str]]:
     """The whole check against the fake NVML; (report, extra files)."""
-    from kvguard.config import parse_config  # noqa: PLC0415
-    from kvguard.daemon import Daemon, Probes  # noqa: PLC0415
-    from kvguard.daemon_cli import listen  # noqa: PLC0415
+    from kvguard.api.server import build_app  # noqa: PLC0415
+    from kvguard.cli.daemon import listen  # noqa: PLC0415
+    from kvguard.config.settings import parse_config  # noqa: PLC0415
     from kvguard.probes.engine import EngineProbe  # noqa: PLC0415
     from kvguard.probes.nvml import GpuSelector, NvmlProbe  # noqa: PLC0415
-    from kvguard.server import build_app  # noqa: PLC0415
+    from kvguard.runtime.daemon import Daemon, Probes  # noqa: PLC0415
 
     clock = FakeClock()
     nvml = FakeNvml(
@@ -317,11 +317,11 @@ async def run_fake(settings: Settings) -> tuple[dict[str, Any], dict[str, str]]:
 
 async def _fake_probe(nvml: FakeNvml, engine_url: str) -> dict[str, Any]:
     """What ``kvguard probe --json`` prints, with the fake NVML (and no engine)."""
-    from kvguard.config import config_for_engine  # noqa: PLC0415
-    from kvguard.daemon import Daemon, Probes  # noqa: PLC0415
-    from kvguard.daemon_cli import probe_document  # noqa: PLC0415
+    from kvguard.cli.daemon import probe_document  # noqa: PLC0415
+    from kvguard.config.settings import config_for_engine  # noqa: PLC0415
     from kvguard.probes.engine import EngineProbe  # noqa: PLC0415
     from kvguard.probes.nvml import GpuSelector, NvmlProbe  # noqa: PLC0415
+    from kvguard.runtime.daemon import Daemon, Probes  # noqa: PLC0415
 
     daemon = Daemon(
         config_for_engine(engine_url),
@@ -498,7 +498,8 @@ async def _until_ticking(readings: list[KvguardReading], count: int, timeout_s: 
 async def _gpu_probe(engine_url: str) -> tuple[dict[str, Any], str]:
     """``kvguard probe --json`` (exit 1: no engine answers, as expected) and nvidia-smi."""
     rc, text, err = await _run_command(
-        [sys.executable, "-m", "kvguard.cli", "probe", "--json", "--engine-url", engine_url], 60
+        [sys.executable, "-m", "kvguard.cli.main", "probe", "--json", "--engine-url", engine_url],
+        60,
     )
     try:
         probe_doc = json.loads(text)
@@ -580,7 +581,7 @@ class Guard:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "kvguard.cli",
+                "kvguard.cli.main",
                 "run",
                 "--config",
                 str(path),

@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.model.policy import LEVELS
-from kvguard.model.snapshot import Snapshot
+from kvguard.config.settings import parse_config
+from kvguard.core.policy import LEVELS
+from kvguard.core.snapshot import Snapshot
 from kvguard.probes.engine import EngineProbe
+from kvguard.runtime.daemon import Daemon, Probes
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.runner import PoolSpec, size_pool, start_sim_server

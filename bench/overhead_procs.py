@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from kvguard.inprocess import free_port
+from kvguard.runtime.inprocess import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

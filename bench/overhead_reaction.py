@@ -1,6 +1,6 @@
 """Reaction: from the tick that sees ``high`` to the first request the proxy sheds.
 
-In one process (:func:`kvguard.inprocess.start_guard` in front of
+In one process (:func:`kvguard.runtime.inprocess.start_guard` in front of
 :func:`kvguard.sim.runner.start_sim_server`, as ``kvguard run`` with ``[proxy]
 enabled``): a prober sends a tiny ``X-Priority: sheddable`` request through the proxy
 every ``PROBE_EVERY_S``; after ``CALM_S`` of calm (the daemon has ticked at ``ok``), a
@@ -36,9 +36,9 @@ from typing import Any
 
 import aiohttp
 
-from kvguard.inprocess import start_guard
-from kvguard.model.policy import LEVELS
-from kvguard.model.snapshot import Snapshot
+from kvguard.core.policy import LEVELS
+from kvguard.core.snapshot import Snapshot
+from kvguard.runtime.inprocess import start_guard
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.runner import PoolSpec, SimServer, size_pool, start_sim_server
 

@@ -40,15 +40,15 @@ from typing import Any
 
 from aiohttp import web
 
-from kvguard.daemon import Daemon
-from kvguard.inprocess import start_guard
-from kvguard.model.policy import LEVELS
-from kvguard.model.snapshot import Snapshot
+from kvguard.api.telemetry import configure_logging
+from kvguard.core.policy import LEVELS
+from kvguard.core.snapshot import Snapshot
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.inprocess import start_guard
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.loadgen_report import LoadReport
 from kvguard.sim.runner import PoolSpec, SimServer, size_pool, start_sim_server
-from kvguard.telemetry import configure_logging
 
 POOL = PoolSpec(
     kv_capacity_tokens=12_288, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048

@@ -49,13 +49,13 @@ from typing import Any
 import aiohttp
 import psutil
 
-from kvguard.inprocess import free_port
+from kvguard.api.telemetry import configure_logging
 from kvguard.probes.engines.base import Samples, parse_exposition
+from kvguard.runtime.inprocess import free_port
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.loadgen_report import LoadReport
 from kvguard.sim.runner import PoolSpec, size_pool, start_sim_server
-from kvguard.telemetry import configure_logging
 
 POOL = PoolSpec(
     kv_capacity_tokens=8_192, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048
@@ -80,7 +80,7 @@ def kvguard_command() -> list[str]:
     script = Path(sys.executable).parent / "kvguard"
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-c", "import sys; from kvguard.cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from kvguard.cli.main import main; sys.exit(main())"]
 
 
 def write_config(directory: Path, engine_url: str, api: str, proxy: str) -> Path:

@@ -7,15 +7,15 @@ from typing import Any
 
 import pytest
 
-from kvguard.model.budget import BudgetInputs, BudgetReport, plan_budget
-from kvguard.model_files import load_model_files
+from kvguard.config.model_files import load_model_files
+from kvguard.core.budget import BudgetInputs, BudgetReport, plan_budget
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.runner import PoolSpec, SimServer, size_pool, start_sim_server
 
 
 @pytest.fixture(autouse=True)
 def _state_in_tmp(tmp_path_factory, monkeypatch):
-    """The state file (kvguard/state.py) goes to a temp folder, never ~/.local/state.
+    """The state file (kvguard/actuators/state.py) goes to a temp folder, never ~/.local/state.
 
     Set in the environment, so a `kvguard run` a test starts inherits it too.
     """

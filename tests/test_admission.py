@@ -8,8 +8,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon
+from kvguard.config.settings import parse_config
+from kvguard.runtime.daemon import Daemon
 from tests.test_run import start_api
 
 BATCH_KEY = "sk-batch-made-up"

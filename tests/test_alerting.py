@@ -23,10 +23,10 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.daemon_cli import listen, make_proxy
+from kvguard.cli.daemon import listen, make_proxy
+from kvguard.config.settings import parse_config
 from kvguard.probes.engine import EngineProbe
+from kvguard.runtime.daemon import Daemon, Probes
 from kvguard.sim.loadgen import LoadConfig, run_load
 from tests.test_dashboards import METRIC, all_queries, substituted
 from tests.test_run import free_port, start_api

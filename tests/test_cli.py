@@ -14,14 +14,14 @@ import pytest
 from aiohttp import web
 
 from kvguard import __version__
-from kvguard.cli import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_OK, main
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.daemon_cli import FleetRow, fetch_fleet, fleet_row, listen, render_fleet
-from kvguard.inprocess import free_port
+from kvguard.api.server import build_app
+from kvguard.cli.daemon import FleetRow, fetch_fleet, fleet_row, listen, render_fleet
+from kvguard.cli.main import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_OK, main
+from kvguard.config.settings import parse_config
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.nvml import NvmlProbe
-from kvguard.server import build_app
+from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.inprocess import free_port
 from kvguard.testing import FakeGpu, FakeNvml
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
@@ -202,7 +202,7 @@ def test_bad_files_fail_cleanly_without_traceback(tmp_path):
     indexed = tmp_path / "indexed"
     indexed.mkdir()
     (indexed / "config.json").write_text(
-        (Path(__file__).parents[1] / "kvguard/models/llama-3.1-8b/config.json").read_text()
+        (Path(__file__).parents[1] / "kvguard/config/models/llama-3.1-8b/config.json").read_text()
     )
     (indexed / "model.safetensors.index.json").write_text('{"metadata": {}}')
     empty = tmp_path / "empty"

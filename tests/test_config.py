@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.config import CONFIG_ENV, TOKEN_ENV, Secret, load_config, parse_config
+from kvguard.config.settings import CONFIG_ENV, TOKEN_ENV, Secret, load_config, parse_config
 from kvguard.errors import ConfigError
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
@@ -124,7 +124,7 @@ def test_invalid_toml_is_one_problem(tmp_path):
 
 def test_the_shipped_example_is_valid_and_documents_every_key():
     """systemd/kvguard.toml parses, and names every key of the schema."""
-    from kvguard.config import _SCHEMA  # noqa: PLC0415 - the schema is private on purpose
+    from kvguard.config.settings import _SCHEMA  # noqa: PLC0415 - the schema is private on purpose
 
     load_config(str(EXAMPLE), env={})
     text = EXAMPLE.read_text()

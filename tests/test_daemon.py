@@ -9,12 +9,12 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
+from kvguard.api.telemetry import REJECT_REASONS, daemon_registry
+from kvguard.config.settings import parse_config
+from kvguard.core.snapshot import EngineStats, GpuMemory, HostStats
+from kvguard.core.units import GiB
 from kvguard.errors import KvguardError, ProbeError
-from kvguard.model.snapshot import EngineStats, GpuMemory, HostStats
-from kvguard.model.units import GiB
-from kvguard.telemetry import REJECT_REASONS, daemon_registry
+from kvguard.runtime.daemon import Daemon, Probes
 
 
 class Clock:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvguard.telemetry import REJECT_REASONS
+from kvguard.api.telemetry import REJECT_REASONS
 from tests.test_run import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

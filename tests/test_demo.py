@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.demo import (
+from kvguard.cli.demo import (
     EXIT_BAD_INPUT,
     SUMMARY_KEYS,
     add_demo_parser,
     main,
     run_demo,
 )
-from kvguard.demo_view import LiveView, StatusSample, format_tte, render_summary
+from kvguard.cli.demo_view import LiveView, StatusSample, format_tte, render_summary
 
 # The demo as a newcomer runs it: the installed `kvguard` command.
 DEMO = [str(Path(sys.executable).parent / "kvguard"), "demo"]

@@ -101,7 +101,7 @@ async def test_sustained_pressure_switches_to_fp8_and_calm_reverts(tmp_path: Pat
     config = tmp_path / "kvguard.toml"
     config.write_text(CONFIG.format(engine=engine, api=api, proxy=proxy))
     command = [
-        *(sys.executable, "-m", "kvguard.cli", "sim-engine", "--port", str(engine)),
+        *(sys.executable, "-m", "kvguard.cli.main", "sim-engine", "--port", str(engine)),
         *("--kv-capacity-tokens", str(POOL_TOKENS), "--max-model-len", "2048"),
         *("--step-time", "0.01", "--token-time", "0.00001"),
     ]

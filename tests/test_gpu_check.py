@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import kvguard.brain
+import kvguard.runtime.decision
 from bench.gpu_check import (
     FakeClock,
     Settings,
@@ -28,9 +28,9 @@ from bench.gpu_check import (
 )
 from bench.gpu_load import KvLoad, KvShape, LoadError, run_until_oom
 from bench.gpu_report import compare_probe, parse_nvidia_smi
-from kvguard.config import load_config
-from kvguard.model.forecast import ResourceForecast
-from kvguard.model_files import BUNDLED_MODELS_DIR
+from kvguard.config.model_files import BUNDLED_MODELS_DIR
+from kvguard.config.settings import load_config
+from kvguard.core.forecast import ResourceForecast
 from kvguard.testing import (
     FakeGpu,
     FakeNvml,
@@ -97,14 +97,14 @@ async def test_fake_run_sees_the_oom_coming_and_agrees_with_the_load(tmp_path):
 
 def test_the_check_fails_without_kvguards_gpu_forecast(tmp_path, monkeypatch, capsys):
     """With the GPU forecast gone (never rising), the lead-time checks fail and so does the run."""
-    real_forecast = kvguard.brain.forecast
+    real_forecast = kvguard.runtime.decision.forecast
 
     def no_gpu_trend(samples, settings):
         fc = real_forecast(samples, settings)
         flat = ResourceForecast(fc.gpu.level, fc.gpu.capacity, fc.gpu.limit, 0.0)
         return type(fc)(**{**fc.__dict__, "gpu": flat})
 
-    monkeypatch.setattr(kvguard.brain, "forecast", no_gpu_trend)
+    monkeypatch.setattr(kvguard.runtime.decision, "forecast", no_gpu_trend)
     assert main(["--fake", "--out", str(tmp_path)]) == 1
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert report["checks"]["tte_under_30s_before_oom"] is False

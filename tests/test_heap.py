@@ -1,14 +1,14 @@
-"""Freed heap memory goes back to the kernel (kvguard.heap), once a minute from the daemon."""
+"""Freed heap memory goes back to the kernel (runtime/heap.py), once a minute from the daemon."""
 
 from __future__ import annotations
 
 import psutil
 import pytest
 
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.heap import TRIM_EVERY_S, can_trim, trim_heap
+from kvguard.config.settings import parse_config
 from kvguard.probes.engine import EngineProbe
+from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.heap import TRIM_EVERY_S, can_trim, trim_heap
 
 
 @pytest.mark.skipif(not can_trim(), reason="this C library has no malloc_trim (not glibc)")

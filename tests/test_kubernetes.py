@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import tomllib
 
-from kvguard.config import parse_config
+from kvguard.config.settings import parse_config
 
 yaml = pytest.importorskip("yaml", reason="PyYAML comes with kubernetes-validate (test extra)")
 kubernetes_validate = pytest.importorskip(

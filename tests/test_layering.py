@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import kvguard.model
+import kvguard.core
 
 BANNED = {"asyncio", "aiohttp", "pynvml", "psutil", "time", "socket", "subprocess", "os", "pathlib"}
 
@@ -22,9 +22,9 @@ def imported_roots(path: Path) -> set[str]:
 
 
 def test_model_package_imports_nothing_that_does_io():
-    """No module under kvguard/model/ imports a banned module."""
-    files = sorted(Path(kvguard.model.__file__).parent.rglob("*.py"))
-    assert files, "kvguard/model/ has no modules"
+    """No module under kvguard/core/ imports a banned module."""
+    files = sorted(Path(kvguard.core.__file__).parent.rglob("*.py"))
+    assert files, "kvguard/core/ has no modules"
     offenders = {
         str(f.name): imported_roots(f) & BANNED for f in files if imported_roots(f) & BANNED
     }

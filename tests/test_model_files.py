@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from kvguard.config.model_files import BUNDLED_MODELS_DIR, bundled_models, load_model_files
 from kvguard.errors import ModelConfigError
-from kvguard.model_files import BUNDLED_MODELS_DIR, bundled_models, load_model_files
 
 
 def test_bundled_names_resolve_and_carry_the_index():

@@ -21,8 +21,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon
+from kvguard.config.settings import parse_config
+from kvguard.runtime.daemon import Daemon
 from tests.test_run import free_port, start_api
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "integrations.md"

@@ -10,8 +10,8 @@ import subprocess
 import aiohttp
 import pytest
 
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon
+from kvguard.config.settings import parse_config
+from kvguard.runtime.daemon import Daemon
 from tests.test_run import free_port, start_api, until
 
 pytestmark = pytest.mark.prometheus

@@ -15,13 +15,13 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.model.units import GiB
+from kvguard.api.server import build_app
+from kvguard.config.settings import parse_config
+from kvguard.core.units import GiB
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.host import HostProbe
 from kvguard.probes.nvml import GpuSelector, NvmlProbe
-from kvguard.server import build_app
+from kvguard.runtime.daemon import Daemon, Probes
 from kvguard.testing import FakeGpu, FakeNvml
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")

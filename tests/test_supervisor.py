@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from kvguard.actuators.supervisor import Supervisor
 from kvguard.errors import KvguardError
-from kvguard.supervisor import Supervisor
 
 
 async def _until(condition, *, limit_s: float = 10.0) -> None:
@@ -130,10 +130,10 @@ def test_an_empty_command_is_refused():
 
 async def test_the_daemon_watches_the_process_it_supervises(sim_engine):
     """Supervisor mode: the host probe follows the engine's PID (RSS, CPU) across restarts."""
-    from kvguard.config import parse_config  # noqa: PLC0415
-    from kvguard.daemon import Daemon, Probes  # noqa: PLC0415
+    from kvguard.config.settings import parse_config  # noqa: PLC0415
     from kvguard.probes.engine import EngineProbe  # noqa: PLC0415
     from kvguard.probes.host import HostProbe  # noqa: PLC0415
+    from kvguard.runtime.daemon import Daemon, Probes  # noqa: PLC0415
 
     url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
     config = parse_config({"engine": {"url": url}}, env={})

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from kvguard.systemd import SystemdNotifier
+from kvguard.runtime.systemd import SystemdNotifier
 
 UNIT_FILE = Path(__file__).parent.parent / "systemd" / "kvguard.service"
 INSTALLED_EXEC = "/usr/local/bin/kvguard"

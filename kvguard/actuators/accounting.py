@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvguard.histogram import TOKEN_BUCKETS, Histogram
+from kvguard.core.histogram import TOKEN_BUCKETS, Histogram
 
 # Real tokenizers average ~4 bytes of English per token; 3 overestimates the prompt,
 # which is the safe side when the question is "will it fit".

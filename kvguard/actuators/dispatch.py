@@ -7,7 +7,7 @@ each as a background task (one per kind at a time), counts how it ended
 sends it to the webhooks, and tells the ladder what the engine's KV cache really is
 after a switch. It also says which actions this engine cannot take, so the ladder
 falls through to the next one (and the log says why, once). Given the state
-file's record (:mod:`kvguard.state`), it resumes an engine that an earlier kvguard
+file's record (:mod:`kvguard.actuators.state`), it resumes an engine that an earlier kvguard
 paused and never resumed (it was killed) as soon as the engine's kind is known.
 
 Pause and resume go to the engine one at a time, in order, from one task: a resume
@@ -29,8 +29,8 @@ import structlog
 from kvguard.actuators.engine_admin import AdminResult, EngineAdmin
 from kvguard.actuators.engine_flags import supports_fp8
 from kvguard.actuators.reconfigure import Reconfigurer
-from kvguard.model.policy import Action
-from kvguard.state import EnginePauseRecord
+from kvguard.actuators.state import EnginePauseRecord
+from kvguard.core.policy import Action
 
 log = structlog.get_logger("kvguard.actuators")
 _PAUSE_TASK = "engine_pause"  # the one task that pauses and resumes the engine
@@ -51,7 +51,7 @@ class Actuators:
         pause_record: EnginePauseRecord | None = None,
     ) -> None:
         self.build = build
-        # What an earlier kvguard left behind (kvguard.state): a pause it never undid.
+        # What an earlier kvguard left behind (kvguard.actuators.state): a pause it never undid.
         self.pause_record = pause_record
         self.admin: EngineAdmin | None = None
         self.reconfigurer: Reconfigurer | None = None

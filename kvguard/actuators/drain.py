@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 from kvguard.actuators.engine_admin import EngineAdmin
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy
+from kvguard.core.snapshot import EngineStats
 from kvguard.errors import KvguardError
-from kvguard.model.snapshot import EngineStats
 
 
 class ProxyDrain:

@@ -159,7 +159,7 @@ class EngineAdmin:
     of attempts in total (at least 1), with ``backoff_s``, doubling, slept through
     ``sleep`` between them. ``on_pause_change`` is told ``True`` before a pause is
     sent and ``False`` after a resume that worked (kvguard records it in its state
-    file, :mod:`kvguard.state`). The HTTP session is made on first use;
+    file, :mod:`kvguard.actuators.state`). The HTTP session is made on first use;
     :meth:`close` closes it.
     """
 
@@ -201,7 +201,7 @@ class EngineAdmin:
         self._backoff_s = backoff_s
         self._sleep = sleep
         # Told True before a pause is sent and False after a resume worked: kvguard's
-        # state file (kvguard.state), so a kvguard killed meanwhile resumes on restart.
+        # state file (kvguard.actuators.state), so a kvguard killed meanwhile resumes on restart.
         self._on_pause_change = on_pause_change or (lambda _paused: None)
         self._session: aiohttp.ClientSession | None = None
         # Actions found missing on this engine (404/501), with the detail to repeat.

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvguard.core.units import DTYPE_BYTES
 from kvguard.errors import InvalidInputError
-from kvguard.model.units import DTYPE_BYTES
 
 # The fp8 (8-bit) KV cache flags of each engine. SGLang and TGI take e5m2 without
 # calibrated scales; vLLM's "fp8" is e4m3 with scale 1.0 unless the checkpoint has

@@ -1,6 +1,6 @@
 """What is in force right now: the shed floor, the window cap, pending cancellations.
 
-The daemon applies each :class:`~kvguard.model.policy.Decision`'s plan here (live
+The daemon applies each :class:`~kvguard.core.policy.Decision`'s plan here (live
 mode); the proxy, ``/admission`` and ``/readyz`` read it. In dry-run mode the plan is
 still recorded — so ``/status`` shows what *would* be in force — but ``enforcing`` is
 false and nothing reads it as a rule.
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvguard.model.policy import Action
+from kvguard.core.policy import Action
 
 Priority = Literal["critical", "standard", "sheddable"]
 # What became of an action: in force now (applied), handed to an asynchronous

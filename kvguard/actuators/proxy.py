@@ -46,8 +46,8 @@ from kvguard.actuators.accounting import (
     estimate_tokens,
 )
 from kvguard.actuators.mitigations import Mitigations, request_priority
-from kvguard.config import ENGINE_ADMIN_PATHS
-from kvguard.config_fields import PATH_METHODS, is_loopback
+from kvguard.config.fields import PATH_METHODS, is_loopback
+from kvguard.config.settings import ENGINE_ADMIN_PATHS
 from kvguard.http_client import DEFAULT_KEEPALIVE_S, client_session
 
 log = structlog.get_logger("kvguard.proxy")

@@ -31,9 +31,9 @@ from typing import Any, Protocol
 import structlog
 
 from kvguard.actuators.engine_flags import FP8_FLAGS, is_8bit, kv_dtype_of, with_fp8
+from kvguard.actuators.supervisor import Supervisor
+from kvguard.core.snapshot import EngineStats
 from kvguard.errors import KvguardError
-from kvguard.model.snapshot import EngineStats
-from kvguard.supervisor import Supervisor
 
 log = structlog.get_logger("kvguard.reconfigure")
 DROPIN_NAME = "50-kvguard-kv-cache.conf"

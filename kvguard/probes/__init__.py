@@ -1,4 +1,4 @@
-"""Adapters that read the outside world into :mod:`kvguard.model.snapshot` types.
+"""Adapters that read the outside world into :mod:`kvguard.core.snapshot` types.
 
 Each probe has one method, ``async sample()``, that returns its reading or raises
 :class:`~kvguard.errors.ProbeError`; foreign exceptions (NVML, psutil, aiohttp,

@@ -23,9 +23,9 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 from yarl import URL
 
+from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats
 from kvguard.errors import InvalidInputError, ProbeError
 from kvguard.http_client import client_session
-from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
 from kvguard.probes.engines import ADAPTERS, EngineAdapter, EngineScrape
 from kvguard.probes.engines.base import KIND_PREFIXES, PROBE_NAME, detect_kind
 

@@ -15,8 +15,8 @@ from typing import Any, TypeAlias
 
 import psutil
 
+from kvguard.core.snapshot import HostStats
 from kvguard.errors import InvalidInputError, ProbeError
-from kvguard.model.snapshot import HostStats
 
 PROBE_NAME = "host"
 

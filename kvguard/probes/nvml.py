@@ -30,8 +30,8 @@ from typing import Any, TypeAlias, TypeVar
 
 import structlog
 
+from kvguard.core.snapshot import GpuMemory, GpuProcess
 from kvguard.errors import InvalidInputError, ProbeError
-from kvguard.model.snapshot import GpuMemory, GpuProcess
 from kvguard.probes.host import process_tree
 
 PROBE_NAME = "nvml"

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvguard.core.snapshot import EngineStats
 from kvguard.errors import ProbeError
-from kvguard.model.snapshot import EngineStats
 from kvguard.probes.engines import ADAPTERS, EngineScrape, detect_kind
 
 

@@ -19,7 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvguard.histogram import Histogram
+from kvguard.core.histogram import Histogram
 from kvguard.sim.engine import SimEngine
 
 Flavor = Literal["vllm", "sglang", "llamacpp"]

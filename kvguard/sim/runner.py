@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from kvguard.config.model_files import load_model_files
+from kvguard.core.budget import budget_inputs_from, plan_budget
+from kvguard.core.units import dtype_bytes
 from kvguard.errors import InvalidInputError, KvguardError
-from kvguard.model.budget import budget_inputs_from, plan_budget
-from kvguard.model.units import dtype_bytes
-from kvguard.model_files import load_model_files
 from kvguard.sim.engine import SimEngine, TimeModel
 from kvguard.sim.http_common import SimServerSettings
 from kvguard.sim.metrics import CacheInfo, Flavor

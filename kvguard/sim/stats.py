@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvguard.histogram import TOKEN_BUCKETS, Histogram
+from kvguard.core.histogram import TOKEN_BUCKETS, Histogram
 
 if TYPE_CHECKING:
     from kvguard.sim.engine import RequestHandle

@@ -14,11 +14,11 @@ from aiohttp import web
 from kvguard.actuators.dispatch import Actuators
 from kvguard.actuators.engine_admin import EngineAdmin
 from kvguard.actuators.webhook import Webhooks, WebhookSettings
-from kvguard.actuators.wiring import attach_actuators
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.model.policy import Action
+from kvguard.config.settings import parse_config
+from kvguard.core.policy import Action
 from kvguard.probes.engine import EngineProbe
+from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.wiring import attach_actuators
 
 
 async def _settle(actuators: Actuators) -> None:

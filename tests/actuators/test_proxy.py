@@ -16,11 +16,11 @@ from yarl import URL
 from kvguard.actuators.accounting import Inflight, InflightRequest
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import HELD_POOLS, AdmissionProxy, ProxySettings, _error
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.daemon_cli import make_proxy
-from kvguard.model.policy import Action
+from kvguard.cli.daemon import make_proxy
+from kvguard.config.settings import parse_config
+from kvguard.core.policy import Action
 from kvguard.probes.engine import EngineProbe
+from kvguard.runtime.daemon import Daemon, Probes
 
 
 def free_port() -> int:
@@ -318,7 +318,7 @@ async def test_no_cookie_from_the_engine_reaches_another_client(serve, proxy_to)
 
 def test_the_configured_default_keepalive_is_the_clients():
     """[proxy] upstream_keepalive_s defaults to the shared client's figure, under 5 s."""
-    from kvguard.config import ProxyConfig  # noqa: PLC0415 - only this test needs it
+    from kvguard.config.settings import ProxyConfig  # noqa: PLC0415 - only this test needs it
     from kvguard.http_client import DEFAULT_KEEPALIVE_S  # noqa: PLC0415
 
     default = ProxySettings(upstream="http://127.0.0.1:1").upstream_keepalive_s

@@ -30,9 +30,9 @@ from kvguard.actuators.reconfigure import (
     SystemdRestarter,
     engine_environment,
 )
-from kvguard.daemon_cli import listen
+from kvguard.actuators.supervisor import Supervisor
+from kvguard.cli.daemon import listen
 from kvguard.probes.engine import EngineProbe
-from kvguard.supervisor import Supervisor
 
 POOL_TOKENS = 4096
 
@@ -47,7 +47,7 @@ def free_port() -> int:
 def sim_command(port: int) -> list[str]:
     """``kvguard sim-engine`` as a child process: vLLM flavor, a small pool, slow steps."""
     return [
-        *(sys.executable, "-m", "kvguard.cli", "sim-engine", "--port", str(port)),
+        *(sys.executable, "-m", "kvguard.cli.main", "sim-engine", "--port", str(port)),
         *("--kv-capacity-tokens", str(POOL_TOKENS), "--max-model-len", "2048"),
         *("--step-time", "0.01", "--token-time", "0.00001"),
     ]

@@ -19,14 +19,14 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.inprocess import free_port
-from kvguard.model.snapshot import EngineShare
+from kvguard.api.server import build_app
+from kvguard.api.telemetry import daemon_registry
+from kvguard.config.settings import parse_config
+from kvguard.core.snapshot import EngineShare
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines import ADAPTERS, EngineScrape
-from kvguard.server import build_app
-from kvguard.telemetry import daemon_registry
+from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.inprocess import free_port
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 DP2 = FIXTURES / "engines" / "vllm_sim_dp2.txt"

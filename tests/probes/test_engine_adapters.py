@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvguard.core.snapshot import ENGINE_KINDS, EngineStats, HistogramSummary
 from kvguard.errors import ProbeError
-from kvguard.model.snapshot import ENGINE_KINDS, EngineStats, HistogramSummary
 from kvguard.probes.engines import ADAPTERS, EngineScrape, Samples, detect_kind, parse_exposition
 from kvguard.probes.engines.base import keep_lines
 

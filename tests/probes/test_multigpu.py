@@ -19,13 +19,13 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.inprocess import free_port
-from kvguard.model.series import tick_sample
-from kvguard.model.units import GiB, MiB
+from kvguard.config.settings import parse_config
+from kvguard.core.series import tick_sample
+from kvguard.core.units import GiB, MiB
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.nvml import GpuSelector, NvmlProbe
+from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.inprocess import free_port
 from kvguard.testing import FakeGpu, FakeNvml
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "engines"

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 from structlog.testing import capture_logs
 
+from kvguard.core.snapshot import GpuProcess
+from kvguard.core.units import GiB, MiB
 from kvguard.errors import InvalidInputError, ProbeError
-from kvguard.model.snapshot import GpuProcess
-from kvguard.model.units import GiB, MiB
 from kvguard.probes.nvml import INIT_RETRY_INTERVAL_S, GpuSelector, NvmlProbe
 from kvguard.testing import FakeGpu, FakeNvml
 

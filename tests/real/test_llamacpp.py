@@ -49,12 +49,12 @@ from kvguard.actuators.engine_flags import FP8_FLAGS
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.actuators.reconfigure import Reconfigurer, ReconfigureTimes, SupervisorRestarter
-from kvguard.daemon_cli import listen
+from kvguard.actuators.supervisor import Supervisor
+from kvguard.cli.daemon import listen
+from kvguard.core.snapshot import EngineStats
 from kvguard.errors import KvguardError
-from kvguard.model.snapshot import EngineStats
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines import ADAPTERS, EngineScrape
-from kvguard.supervisor import Supervisor
 from tests.real.llamacpp_engine import (
     CONTEXT_TOKENS,
     FIXTURES,
@@ -90,7 +90,7 @@ BUSY_DECODED = 16  # well into decoding, far from the end
 async def kvguard_probe(url: str) -> dict:
     """``kvguard probe --json --engine-url url`` (kind auto-detected), parsed."""
     process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "kvguard.cli", "probe", "--json", "--engine-url", url),
+        *(sys.executable, "-m", "kvguard.cli.main", "probe", "--json", "--engine-url", url),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )

@@ -32,9 +32,9 @@ from kvguard.actuators.reconfigure import (
     SupervisorRestarter,
 )
 from kvguard.http_client import client_session
-from kvguard.inprocess import start_guard
 from kvguard.probes.engines.base import EngineScrape
 from kvguard.probes.engines.vllm import VllmAdapter
+from kvguard.runtime.inprocess import start_guard
 from tests.real.vllm_engine import (
     CPU_BLOCK_SIZE,
     KV_CACHE_MEMORY_BYTES,

@@ -37,10 +37,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
-from kvguard.daemon_cli import listen
-from kvguard.model.snapshot import EngineStats
+from kvguard.actuators.supervisor import Supervisor
+from kvguard.cli.daemon import listen
+from kvguard.core.snapshot import EngineStats
 from kvguard.probes.engine import EngineProbe
-from kvguard.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINES = Path(os.environ.get("KVGUARD_REAL_ENGINES") or REPO / ".real-engines")

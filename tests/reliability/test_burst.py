@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from kvguard.actuators.proxy import HELD_POOLS, AdmissionProxy
-from kvguard.inprocess import start_guard
+from kvguard.runtime.inprocess import start_guard
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.runner import PoolSpec, size_pool, start_sim_server
 

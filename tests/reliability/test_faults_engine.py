@@ -23,15 +23,15 @@ from structlog.testing import capture_logs
 
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
+from kvguard.api.server import build_app
+from kvguard.api.telemetry import daemon_registry
+from kvguard.config.settings import parse_config
+from kvguard.core.units import GiB
 from kvguard.errors import ProbeError
-from kvguard.model.units import GiB
 from kvguard.probes.engine import EngineProbe
-from kvguard.server import build_app
+from kvguard.runtime.daemon import Daemon, Probes
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.runner import PoolSpec, SimServer, size_pool, start_sim_server
-from kvguard.telemetry import daemon_registry
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "engines"
 

@@ -26,15 +26,15 @@ from kvguard.actuators.dispatch import Actuators
 from kvguard.actuators.drain import EnginePauseDrain
 from kvguard.actuators.engine_admin import EngineAdmin
 from kvguard.actuators.reconfigure import Reconfigurer, ReconfigureTimes
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.daemon_cli import _shut_down
+from kvguard.actuators.state import EnginePauseRecord, StateFile, state_dir
+from kvguard.api.telemetry import daemon_registry
+from kvguard.cli.daemon import _shut_down
+from kvguard.config.settings import parse_config
+from kvguard.core.policy import Action
+from kvguard.core.snapshot import EngineStats
 from kvguard.errors import InvalidInputError
-from kvguard.model.policy import Action
-from kvguard.model.snapshot import EngineStats
 from kvguard.probes.engine import EngineProbe
-from kvguard.state import EnginePauseRecord, StateFile, state_dir
-from kvguard.telemetry import daemon_registry
+from kvguard.runtime.daemon import Daemon, Probes
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 
@@ -122,7 +122,7 @@ MARKER = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from kvguard.state import StateFile
+    from kvguard.actuators.state import StateFile
     state, name = StateFile(Path(sys.argv[1])), sys.argv[2]
     for n in range(40):
         state.set_engine_paused(f"http://127.0.0.1:{name}{n:02d}", True)
@@ -146,12 +146,12 @@ def test_two_kvguards_writing_the_state_file_at_once_lose_no_entry(tmp_path):
 PAUSER = textwrap.dedent(
     """
     import asyncio, sys
-    from kvguard.actuators.wiring import attach_actuators
-    from kvguard.config import parse_config
-    from kvguard.daemon import Daemon, Probes
-    from kvguard.model.policy import Action
+    from kvguard.runtime.wiring import attach_actuators
+    from kvguard.config.settings import parse_config
+    from kvguard.runtime.daemon import Daemon, Probes
+    from kvguard.core.policy import Action
     from kvguard.probes.engine import EngineProbe
-    from kvguard.telemetry import configure_logging
+    from kvguard.api.telemetry import configure_logging
 
     async def main(url):
         configure_logging("warning", "json")  # stderr: stdout says "paused" only
@@ -275,7 +275,7 @@ class StuckRestarter:
 async def test_sigterm_during_a_drain_resumes_the_engine_before_exit(sim_server, tmp_path):
     """The fp8 switch has paused the engine to drain it when kvguard is told to stop.
 
-    The shutdown path SIGTERM takes (daemon_cli._shut_down) resumes the engine first.
+    The shutdown path SIGTERM takes (kvguard.cli.daemon._shut_down) resumes the engine first.
     """
     server = await sim_server(kv_capacity_tokens=4096, max_model_len=2048, per_token_s=0.01)
     url = server.url

@@ -14,12 +14,12 @@ import threading
 
 from structlog.testing import capture_logs
 
-from kvguard.config import parse_config
-from kvguard.daemon import Daemon, Probes
-from kvguard.model.units import GiB
+from kvguard.api.telemetry import daemon_registry
+from kvguard.config.settings import parse_config
+from kvguard.core.units import GiB
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.nvml import GpuSelector, NvmlProbe
-from kvguard.telemetry import daemon_registry
+from kvguard.runtime.daemon import Daemon, Probes
 from kvguard.testing import FakeGpu, FakeNvml
 
 

@@ -29,13 +29,13 @@ from hypothesis import strategies as st
 
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import MAX_TOKENS_LIMIT, AdmissionProxy, ProxySettings
-from kvguard.config import _SCHEMA, CONTROL_TOKEN_ENV, load_config, parse_config
-from kvguard.daemon import Daemon, Probes
+from kvguard.api.server import build_app
+from kvguard.config.settings import _SCHEMA, CONTROL_TOKEN_ENV, load_config, parse_config
+from kvguard.core.snapshot import EngineStats
 from kvguard.errors import ConfigError, ProbeError
-from kvguard.model.snapshot import EngineStats
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines import ADAPTERS, EngineScrape
-from kvguard.server import build_app
+from kvguard.runtime.daemon import Daemon, Probes
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "engines"
 EXAMPLE = Path(__file__).parents[2] / "systemd" / "kvguard.toml"

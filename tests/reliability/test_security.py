@@ -30,13 +30,13 @@ from kvguard.actuators.engine_admin import EngineAdmin
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.actuators.reconfigure import CommandRestarter, Reconfigurer
-from kvguard.config import CONTROL_TOKEN_ENV, Config, parse_config
-from kvguard.daemon import Daemon, Probes
+from kvguard.api.server import DENIED_LOG_CALLERS, ControlLog, build_app
+from kvguard.api.telemetry import configure_logging, daemon_registry
+from kvguard.config.settings import CONTROL_TOKEN_ENV, Config, parse_config
+from kvguard.core.policy import Action, GuardState
 from kvguard.errors import ConfigError
-from kvguard.model.policy import Action, GuardState
 from kvguard.probes.engine import EngineProbe
-from kvguard.server import DENIED_LOG_CALLERS, ControlLog, build_app
-from kvguard.telemetry import configure_logging, daemon_registry
+from kvguard.runtime.daemon import Daemon, Probes
 
 TOKEN = "ctl-0123456789abcdef-planted"  # planted: must never appear in logs or /status
 UNIT = Path(__file__).parents[2] / "systemd" / "kvguard.service"

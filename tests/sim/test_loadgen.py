@@ -22,9 +22,9 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvguard.cli.loadgen import parse_priority_shares, register
 from kvguard.errors import InvalidInputError
 from kvguard.sim.loadgen import LoadConfig, check_url, run_load
-from kvguard.sim.loadgen_cli import parse_priority_shares, register
 from kvguard.sim.loadgen_report import LoadReport, Percentiles, preemptions_in
 from kvguard.sim.traffic import PriorityShares, TrafficParams, generate
 

@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.model.budget import BudgetInputs, plan_budget
-from kvguard.model.units import GiB
-from kvguard.model_files import load_model_files
+from kvguard.config.model_files import load_model_files
+from kvguard.core.budget import BudgetInputs, plan_budget
+from kvguard.core.units import GiB
 
 VLLM_TYPES = {
     "vllm:kv_cache_usage_perc": "gauge",

@@ -1,6 +1,6 @@
-"""One adapter per engine: metric names -> normalized :class:`~kvguard.model.snapshot.EngineStats`.
+"""One adapter per engine: metric names -> normalized :class:`~kvguard.core.snapshot.EngineStats`.
 
-``ADAPTERS`` maps each :data:`~kvguard.model.snapshot.EngineKind` to its adapter;
+``ADAPTERS`` maps each :data:`~kvguard.core.snapshot.EngineKind` to its adapter;
 :func:`detect_kind` tells the engine from its metric names. Adapters are pure;
 :class:`kvguard.probes.engine.EngineProbe` does the HTTP.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from kvguard.model.snapshot import EngineKind
+from kvguard.core.snapshot import EngineKind
 from kvguard.probes.engines.base import (
     EngineAdapter,
     EngineScrape,

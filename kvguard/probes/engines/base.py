@@ -2,7 +2,7 @@
 
 An adapter is pure: :class:`~kvguard.probes.engine.EngineProbe` does the HTTP and
 hands it an :class:`EngineScrape`; the adapter maps that engine's metric names into
-one normalized :class:`~kvguard.model.snapshot.EngineStats`. Exposition text is
+one normalized :class:`~kvguard.core.snapshot.EngineStats`. Exposition text is
 parsed once, with ``prometheus_client``'s parser, into :class:`Samples`; a series
 the engine does not export (renamed, removed, not yet observed) becomes ``None``,
 never an exception.
@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats, HistogramSummary
 from kvguard.errors import ProbeError
-from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats, HistogramSummary
 
 PROBE_NAME = "engine"
 

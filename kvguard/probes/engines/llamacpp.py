@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
+from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats
 from kvguard.probes.engines.base import EngineScrape, as_int, parse_exposition, ratio
 
 READS = frozenset(

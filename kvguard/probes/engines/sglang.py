@@ -8,7 +8,7 @@ pool): tokens and counts are added over label sets, usage is the highest one.
 
 from __future__ import annotations
 
-from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
+from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats
 from kvguard.probes.engines.base import EngineScrape, as_int, parse_exposition
 
 READS = frozenset(

@@ -9,7 +9,7 @@ no preemption counter. TGI's Rust exporter names counters without ``_total``
 
 from __future__ import annotations
 
-from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
+from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats
 from kvguard.probes.engines.base import (
     EngineScrape,
     Samples,

@@ -7,7 +7,7 @@ the Triton ``model`` and ``version``; values are added over those.
 
 from __future__ import annotations
 
-from kvguard.model.snapshot import EngineAction, EngineKind, EngineStats
+from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats
 from kvguard.probes.engines.base import EngineScrape, as_int, parse_exposition, ratio
 
 KV_BLOCKS = "nv_trt_llm_kv_cache_block_metrics"

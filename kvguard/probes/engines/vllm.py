@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvguard.model.snapshot import EngineAction, EngineKind, EngineShare, EngineStats
+from kvguard.core.snapshot import EngineAction, EngineKind, EngineShare, EngineStats
 from kvguard.probes.engines.base import (
     EngineScrape,
     Samples,

@@ -1,0 +1,1 @@
+"""kvguard's own HTTP surface and telemetry: routes, status document, metrics, logs."""

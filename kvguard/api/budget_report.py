@@ -1,0 +1,173 @@
+"""Present a :class:`~kvguard.core.budget.BudgetReport`: a table for people, a dict for JSON."""
+
+from __future__ import annotations
+
+from pathlib import PurePath
+
+from kvguard.core.budget import Budget, BudgetReport
+from kvguard.core.units import DTYPE_BYTES, format_bytes
+
+BAR_WIDTH = 30
+_EIGHTHS = " ▏▎▍▌▋▊▉"
+
+
+def budget_to_dict(report: BudgetReport, source: str, gpu: str) -> dict[str, object]:
+    """Every figure of the report under the stable keys docs/budget.md lists."""
+    b, shape, inputs = report.budget, report.budget.model, report.budget.inputs
+    return {
+        "model": {
+            "source": source,
+            "name": shape.name,
+            "model_type": shape.model_type,
+            "dtype": shape.dtype,
+            "attention": shape.attention.kind,
+            "num_layers": shape.num_layers,
+            "full_attention_layers": shape.full_layers,
+            "sliding_window_layers": shape.sliding_layers,
+            "sliding_window": shape.sliding_window,
+            "state_layers": shape.state_layers,
+            "kv_heads": shape.attention.kv_heads if shape.attention.kind == "mha" else None,
+            "head_dim": shape.attention.head_dim if shape.attention.kind == "mha" else None,
+            "kv_latent_dim": shape.attention.latent_dim if shape.attention.kind == "mla" else None,
+            "max_position_embeddings": shape.max_position_embeddings,
+        },
+        "inputs": {
+            "gpu": gpu,
+            "tp": inputs.tp,
+            "pp": inputs.pp,
+            "concurrency": inputs.concurrency,
+            "gpu_memory_utilization": inputs.gpu_memory_utilization,
+            "max_num_batched_tokens": inputs.max_num_batched_tokens,
+            "max_num_seqs": inputs.max_num_seqs,
+            "block_size": inputs.block_size,
+        },
+        **_figures(b),
+        "weights_bytes": b.weights_bytes,
+        "weights_source": b.weights_source,
+        "assumptions": list(b.assumptions),
+        "fp8": _figures(report.fp8),
+    }
+
+
+def _figures(b: Budget) -> dict[str, object]:
+    return {
+        "kv_cache_dtype": b.kv_cache_dtype,
+        "max_model_len": b.max_model_len,
+        "gpu_memory_bytes": b.gpu_memory_bytes,
+        "kv_bytes_per_token": b.kv_bytes_per_token,
+        "kv_bytes_per_token_per_gpu": b.kv_bytes_per_token_per_gpu,
+        "kv_bytes_per_sequence": b.kv_bytes_per_sequence,
+        "kv_bytes_per_sequence_per_gpu": b.kv_bytes_per_sequence_per_gpu,
+        "state_bytes_per_sequence_per_gpu": b.state_bytes_per_sequence_per_gpu,
+        "weights_bytes_per_gpu": b.weights_bytes_per_gpu,
+        "activation_bytes_per_gpu": b.activation_bytes_per_gpu,
+        "overhead_bytes_per_gpu": b.overhead_bytes_per_gpu,
+        "memory_limit_bytes_per_gpu": b.memory_limit_bytes_per_gpu,
+        "kv_pool_bytes_per_gpu": b.kv_pool_bytes_per_gpu,
+        "unallocated_bytes_per_gpu": b.unallocated_bytes_per_gpu,
+        "kv_capacity_blocks": b.kv_capacity_blocks,
+        "kv_capacity_tokens": b.kv_capacity_tokens,
+        "worst_case_kv_bytes_per_gpu": b.worst_case_kv_bytes_per_gpu,
+        "worst_case_state_bytes_per_gpu": b.worst_case_state_bytes_per_gpu,
+        "max_concurrency": b.max_concurrency,
+        "max_model_len_at_concurrency": b.max_model_len_at_concurrency,
+        "fits": b.fits,
+        "headroom_bytes_per_gpu": b.headroom_bytes_per_gpu,
+    }
+
+
+def render_budget(report: BudgetReport, source: str, gpu: str) -> str:
+    """The human-readable budget: memory lines with bars, the verdict, the fp8 comparison."""
+    b, shape, inputs = report.budget, report.budget.model, report.budget.inputs
+    att = shape.attention
+    layout = f"{shape.full_layers} full"
+    if shape.sliding_layers:
+        layout += f", {shape.sliding_layers} sliding (window {shape.sliding_window:,})"
+    if shape.state_layers and shape.state:
+        layout += f", {shape.state_layers} {shape.state.kind.replace('_', '-')} state"
+    width = (
+        f"latent {att.latent_dim}"
+        if att.kind == "mla"
+        else f"{att.kv_heads} KV heads x {att.head_dim}"
+    )
+    lines = [
+        f"Model     {shape.name or PurePath(source).parent.name or source} ({shape.model_type},"
+        f" {shape.dtype})  {source}",
+        f"GPU       {gpu}: {format_bytes(b.gpu_memory_bytes)} x {inputs.tp * inputs.pp}"
+        f" (tp={inputs.tp}, pp={inputs.pp}),"
+        f" gpu_memory_utilization {inputs.gpu_memory_utilization:g}",
+        f"KV cache  {b.kv_cache_dtype}, block {inputs.block_size}; layers: {layout}; {width}",
+        "",
+        f"KV per token     {format_bytes(b.kv_bytes_per_token)} whole model"
+        f" ({b.kv_bytes_per_token:,} B), {format_bytes(b.kv_bytes_per_token_per_gpu)} per GPU",
+        f"One sequence     {format_bytes(b.kv_bytes_per_sequence)} at max_model_len"
+        f" {b.max_model_len:,} ({format_bytes(b.kv_bytes_per_sequence_per_gpu)} per GPU)",
+    ]
+    if b.state_bytes_per_sequence_per_gpu:
+        lines.append(
+            f"Recurrent state  {format_bytes(b.state_bytes_per_sequence_per_gpu)}"
+            " per sequence per GPU"
+        )
+    lines += ["", f"Per-GPU memory   {format_bytes(b.gpu_memory_bytes)}"]
+    lines += [_bar_line(name, size, b.gpu_memory_bytes) for name, size in _memory_lines(b)]
+    lines += ["", *_verdict(b), ""]
+    if DTYPE_BYTES[b.kv_cache_dtype] > 1:  # the comparison only helps when fp8 is smaller
+        lines.append(_fp8_line(report.fp8))
+    lines.append(f"Weights          {b.weights_source}")
+    if b.assumptions:
+        lines += ["Assumptions:", *(f"  - {a}" for a in b.assumptions)]
+    return "\n".join(lines)
+
+
+def _memory_lines(b: Budget) -> list[tuple[str, int]]:
+    lines = [
+        ("weights", b.weights_bytes_per_gpu),
+        ("activation peak", b.activation_bytes_per_gpu),
+        ("framework overhead", b.overhead_bytes_per_gpu),
+        ("KV cache pool", b.kv_pool_bytes_per_gpu),
+    ]
+    if b.unallocated_bytes_per_gpu > 0:
+        lines.append(("unallocated", b.unallocated_bytes_per_gpu))
+    elif b.unallocated_bytes_per_gpu < 0:
+        lines.append(("OVERCOMMITTED", b.unallocated_bytes_per_gpu))
+    reserved = b.gpu_memory_bytes - b.memory_limit_bytes_per_gpu
+    if reserved:
+        lines.append(("outside utilization", reserved))
+    return lines
+
+
+def _bar_line(name: str, size: int, total: int) -> str:
+    share = size / total if total else 0.0
+    eighths = round(max(0.0, min(share, 1.0)) * BAR_WIDTH * 8)
+    bar = "█" * (eighths // 8) + (_EIGHTHS[eighths % 8] if eighths % 8 else "")
+    return f"  {name:<20} {format_bytes(size):>11} {share:>6.1%}  {bar}"
+
+
+def _verdict(b: Budget) -> list[str]:
+    worst = b.worst_case_kv_bytes_per_gpu + b.worst_case_state_bytes_per_gpu
+    conc = b.inputs.concurrency
+    verdict = (
+        f"FITS: {format_bytes(b.headroom_bytes_per_gpu)} headroom per GPU"
+        if b.fits
+        else f"DOES NOT FIT: short by {format_bytes(-b.headroom_bytes_per_gpu)} per GPU"
+    )
+    at_cap = b.max_model_len_at_concurrency == b.max_model_len_cap
+    limit = " (model limit)" if at_cap and b.model.max_position_embeddings else ""
+    return [
+        f"Worst case       {conc:,} x {b.max_model_len:,} tokens = {format_bytes(worst)}"
+        f" per GPU, in a pool of {format_bytes(b.kv_pool_bytes_per_gpu)}",
+        f"Verdict          {verdict}",
+        f"KV capacity      {b.kv_capacity_tokens:,} tokens ({b.kv_capacity_blocks:,} blocks)",
+        f"Max concurrency  {b.max_concurrency:,} sequences at {b.max_model_len:,} tokens",
+        f"Max context      {b.max_model_len_at_concurrency:,} tokens each at concurrency {conc:,}"
+        + limit,
+    ]
+
+
+def _fp8_line(f: Budget) -> str:
+    verdict = "fits" if f.fits else "does not fit"
+    return (
+        f"With fp8 KV      {format_bytes(f.kv_bytes_per_token)} per token, capacity"
+        f" {f.kv_capacity_tokens:,} tokens, max concurrency {f.max_concurrency:,},"
+        f" max context {f.max_model_len_at_concurrency:,}: {verdict}"
+    )

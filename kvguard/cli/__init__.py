@@ -1,0 +1,1 @@
+"""The ``kvguard`` command: one module per subcommand."""

@@ -1,0 +1,1 @@
+"""kvguard's configuration: the TOML schema, its loading and validation, model files."""

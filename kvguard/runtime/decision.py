@@ -1,0 +1,250 @@
+"""The daemon's decision step: forecast, traffic pattern and ladder, every tick.
+
+:class:`Brain` keeps the recent window of :class:`~kvguard.core.series.TickSample`
+and the policy's :class:`~kvguard.core.policy.GuardState`, runs the pure core
+(:mod:`kvguard.core.forecast`, :mod:`kvguard.core.pattern`,
+:mod:`kvguard.core.policy`) on each snapshot, and keeps an audit trail: the last
+50 decisions with their reasons, a count per action and mode, and one structured
+log event per level change and per action. Live (the default), each plan is put in
+force through :class:`~kvguard.actuators.mitigations.Mitigations`; with dry-run it is
+computed, exported, logged and shown, and nothing is blocked or changed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import structlog
+
+from kvguard.actuators.mitigations import Mitigations, Outcome
+from kvguard.config.settings import Config
+from kvguard.core.forecast import Forecast, forecast
+from kvguard.core.pattern import PatternReading, PatternThresholds, classify
+from kvguard.core.policy import (
+    ACTION_KINDS,
+    Action,
+    Decision,
+    GuardState,
+    PolicyConfig,
+    decide,
+)
+from kvguard.core.series import TickSample, tick_sample
+from kvguard.core.snapshot import Snapshot
+
+log = structlog.get_logger("kvguard.brain")
+Mode = Literal["dry_run", "applied", "started", "not_applied"]
+DECISIONS_KEPT = 50
+RETRY_AFTER_MAX_S = 60
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """One entry of the audit trail: what was decided, why, and in which mode."""
+
+    at: float  # wall-clock seconds (for people); the decision's own t is monotonic
+    level: str
+    previous_level: str
+    pattern: str
+    actions: tuple[Action, ...]
+    crossed: tuple[str, ...]
+    deferred: tuple[str, ...]
+    mode: Mode
+    signals: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form for /status."""
+        return {
+            "at": self.at,
+            "level": self.level,
+            "previous_level": self.previous_level,
+            "pattern": self.pattern,
+            "actions": [action_dict(a) for a in self.actions],
+            "crossed": list(self.crossed),
+            "deferred": list(self.deferred),
+            "mode": self.mode,
+            "signals": self.signals,
+        }
+
+
+def action_dict(action: Action) -> dict[str, Any]:
+    """An action's fields, without the ones that do not apply."""
+    fields = {
+        "kind": action.kind,
+        "reason": action.reason,
+        "priority": action.priority,
+        "max_prompt_tokens": action.max_prompt_tokens,
+        "max_tokens": action.max_tokens,
+        "target": action.target,
+    }
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+class Brain:
+    """Runs forecast → pattern → policy on each snapshot and remembers what it decided."""
+
+    def __init__(
+        self, config: Config, *, dry_run: bool = True, mitigations: Mitigations | None = None
+    ) -> None:
+        self.config = config
+        self.dry_run = dry_run
+        self.mitigations = mitigations or Mitigations()
+        self.mitigations.enforcing = not dry_run
+        # When an operator switched to dry-run (/control/dry-run); None: live, or dry-run
+        # from the start. What the ladder records after it never ran (kvguard.api.server).
+        self.dry_run_since: float | None = None
+        self.samples: deque[TickSample] = deque()
+        self.guard = GuardState()
+        self.forecast: Forecast | None = None
+        self.pattern: PatternReading | None = None
+        self.decision: Decision | None = None
+        self.decisions: deque[DecisionRecord] = deque(maxlen=DECISIONS_KEPT)
+        # Every (action, mode) this brain can count, from 0: a series that appears at its
+        # first increment is one increase() cannot see.
+        modes = ("dry_run",) if dry_run else ("applied", "started", "not_applied")
+        self.counts: Counter[tuple[str, str]] = Counter(
+            {(kind, mode): 0 for kind in ACTION_KINDS for mode in modes}
+        )
+        # Actions the engine cannot take (kind -> why): the ladder falls through them.
+        self.unavailable: dict[str, str] = {}
+        self._said_unavailable: dict[str, str] = {}
+        # Level changes and actions go here too (the webhooks), as (event, fields).
+        self.on_event: Callable[[str, dict[str, Any]], None] = lambda _event, _fields: None
+
+    @property
+    def mode(self) -> Mode:
+        """``dry_run`` with ``--dry-run`` (or ``[policy] dry_run``), else ``applied``."""
+        return "dry_run" if self.dry_run else "applied"
+
+    def reconfigure(self, config: Config) -> None:
+        """Adopt a reloaded config; the history and the level are kept."""
+        self.config = config
+
+    def step(self, snapshot: Snapshot, wall_time: float) -> Decision:
+        """Decide on one snapshot; record and log what changed."""
+        config = self.config
+        self.samples.append(tick_sample(snapshot))
+        self._refresh_pool(snapshot)
+        keep = max(config.forecast.window_s, config.pattern_window_s) + 5.0
+        while self.samples and snapshot.taken_at - self.samples[0].t > keep:
+            self.samples.popleft()
+        samples = tuple(self.samples)
+        self.forecast = forecast(samples, config.forecast)
+        self.pattern = classify(samples, PatternThresholds(window_s=config.pattern_window_s))
+        decision = decide(
+            snapshot.taken_at, self.forecast, self.pattern.pattern, self._policy(), self.guard
+        )
+        self.guard = decision.state
+        self.decision = decision
+        outcomes = self.mitigations.apply(decision.plan, decision.level, self._retry_after_s())
+        if decision.plan or decision.level != decision.previous_level:
+            self._record(decision, wall_time, [outcome for _, outcome in outcomes])
+        return decision
+
+    def _policy(self) -> PolicyConfig:
+        """The configured ladder, minus what this engine cannot do (said once, with why)."""
+        policy = self.config.policy
+        for kind, why in self.unavailable.items():
+            if self._said_unavailable.get(kind) != why:
+                log.warning("action_unavailable", action=kind, reason=why, falls_through=True)
+        self._said_unavailable = dict(self.unavailable)
+        if not self.unavailable:
+            return policy
+        return replace(policy, disabled=policy.disabled | frozenset(self.unavailable))
+
+    def fp8_result(self, *, fp8_on: bool) -> None:
+        """Tell the ladder what the engine's KV cache really is after a switch ended.
+
+        The ladder marks fp8 on when it decides ``kv_fp8``; a switch that failed or
+        rolled back leaves the engine as it was, and the ladder must not later revert
+        a switch that never happened (or forget one that did).
+        """
+        self.guard = replace(self.guard, fp8_on=fp8_on)
+
+    def _refresh_pool(self, snapshot: Snapshot) -> None:
+        """Tell the admission path the engine's usable pool (None until it is known).
+
+        A failed read keeps the last known pool: a scrape that times out because the
+        engine is at its busiest must not open projected admission to everything
+        waiting, at the worst moment. The pool's size changes only when the engine
+        restarts, and the next good read reports that.
+        """
+        engine, source = snapshot.engine, snapshot.sources.get("engine")
+        if engine is None or source is None or not source.ok:
+            return
+        blocks, block = engine.kv_capacity_blocks, engine.block_size
+        # vLLM counts one reserved null block in num_gpu_blocks; it holds no KV.
+        pool = (blocks - 1) * block if blocks and block else engine.kv_capacity_tokens
+        self.mitigations.block_size = block or 16
+        self.mitigations.pool_tokens = pool
+
+    def _retry_after_s(self) -> int:
+        """Seconds until shed clients should retry: the excess demand over the drain rate."""
+        fc, policy = self.forecast, self.config.policy
+        fallback = int(policy.hold_s)
+        if fc is None or fc.kv.level is None or not fc.kv.capacity or not fc.drain_per_s:
+            return fallback
+        excess = fc.kv.level - (policy.high.kv_usage or 0.9) * fc.kv.capacity
+        if excess <= 0:
+            return 1
+        # OpenAI's SDK ignores Retry-After over 60 s (and retries at once): cap it there.
+        return max(1, min(RETRY_AFTER_MAX_S, math.ceil(excess / fc.drain_per_s)))
+
+    def _record(self, decision: Decision, wall_time: float, outcomes: list[Outcome]) -> None:
+        signals = {
+            "kv_usage": decision.signals.kv_usage,
+            "kv_demand": decision.signals.kv_demand,
+            "time_to_exhaustion_s": decision.signals.time_to_exhaustion_s,
+            "gpu_free_ratio": decision.signals.gpu_free_ratio,
+            "gpu_time_to_exhaustion_s": decision.signals.gpu_time_to_exhaustion_s,
+            "preemptions_per_s": decision.signals.preemptions_per_s,
+        }
+        record = DecisionRecord(
+            wall_time,
+            decision.level,
+            decision.previous_level,
+            decision.pattern,
+            decision.plan,
+            decision.crossed,
+            decision.deferred,
+            self.mode,
+            signals,
+        )
+        self.decisions.append(record)
+        if decision.level != decision.previous_level:
+            log.warning(
+                "pressure_level_changed",
+                previous=decision.previous_level,
+                level=decision.level,
+                pattern=decision.pattern,
+                crossed=list(decision.crossed),
+                **signals,
+            )
+            self.on_event(
+                "level_changed",
+                {
+                    "previous": decision.previous_level,
+                    "level": decision.level,
+                    "pattern": decision.pattern,
+                    "crossed": list(decision.crossed),
+                    **signals,
+                },
+            )
+        for action, outcome in zip(decision.plan, outcomes, strict=True):
+            # An action that did not take effect (no actuator, nothing to cancel) is never
+            # reported as applied; one handed to an asynchronous actuator is "started" and
+            # its result is counted when it ends.
+            mode: Mode = "dry_run" if self.dry_run else outcome
+            self.counts[(action.kind, mode)] += 1
+            fields = {
+                "mode": mode,
+                "level": decision.level,
+                "pattern": decision.pattern,
+                "crossed": list(decision.crossed),
+                **action_dict(action),
+            }
+            log.warning("decision", **fields)
+            self.on_event("action", fields)

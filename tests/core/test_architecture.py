@@ -1,0 +1,126 @@
+"""Parsing config.json into a model shape: layouts, and clear errors for what is missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvguard.core.architecture import parse_model_config
+from kvguard.errors import ModelConfigError
+
+LLAMA_LIKE = {
+    "model_type": "llama",
+    "num_hidden_layers": 4,
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 1024,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_head_dim_defaults_to_hidden_over_heads():
+    """Without head_dim the width is hidden_size / num_attention_heads."""
+    shape = parse_model_config(LLAMA_LIKE)
+    assert shape.attention.head_dim == 64
+    assert shape.attention.kv_heads == 2
+
+
+def test_missing_kv_heads_means_multi_head_attention():
+    """No num_key_value_heads: every attention head has its own K and V."""
+    config = {k: v for k, v in LLAMA_LIKE.items() if k != "num_key_value_heads"}
+    assert parse_model_config(config).attention.kv_heads == 8
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size"],
+)
+def test_missing_required_field_is_named(field):
+    """An architecture it cannot budget names the missing field; it never guesses."""
+    config = {k: v for k, v in LLAMA_LIKE.items() if k != field}
+    with pytest.raises(ModelConfigError, match=f"missing field '{field}'") as info:
+        parse_model_config(config, source="my/config.json")
+    assert info.value.field == field
+    assert str(info.value).startswith("my/config.json: ")
+
+
+def test_mla_needs_rope_dim():
+    """An MLA config without qk_rope_head_dim is refused, naming that field."""
+    with pytest.raises(ModelConfigError, match="qk_rope_head_dim"):
+        parse_model_config({**LLAMA_LIKE, "kv_lora_rank": 512})
+
+
+def test_unknown_layer_type_is_refused():
+    """A layer type kvguard does not know is an error listing the known ones."""
+    config = {**LLAMA_LIKE, "layer_types": ["full_attention"] * 3 + ["cross_attention"]}
+    with pytest.raises(ModelConfigError, match=r"'cross_attention'.*known: full_attention"):
+        parse_model_config(config)
+
+
+def test_layer_types_must_cover_every_layer():
+    """layer_types with the wrong length is an error, not a partial budget."""
+    with pytest.raises(ModelConfigError, match="one type per layer"):
+        parse_model_config({**LLAMA_LIKE, "layer_types": ["full_attention"]})
+
+
+def test_sliding_layers_need_a_window():
+    """Sliding layers without sliding_window cannot be budgeted."""
+    config = {**LLAMA_LIKE, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    with pytest.raises(ModelConfigError, match="missing field 'sliding_window'"):
+        parse_model_config(config)
+
+
+def test_state_layers_need_state_fields():
+    """A hybrid without Mamba or linear-attention sizes is refused."""
+    config = {**LLAMA_LIKE, "layer_types": ["linear_attention", "full_attention"] * 2}
+    with pytest.raises(ModelConfigError, match="recurrent state"):
+        parse_model_config(config)
+
+
+def test_non_integer_field_is_refused():
+    """A size given as a string is an error naming the field and the value."""
+    with pytest.raises(ModelConfigError, match="'hidden_size' must be an integer, got '512'"):
+        parse_model_config({**LLAMA_LIKE, "hidden_size": "512"})
+
+
+def test_unknown_torch_dtype_is_refused():
+    """A dtype the budget cannot size is named with the ones it can."""
+    with pytest.raises(ModelConfigError, match="torch_dtype"):
+        parse_model_config({**LLAMA_LIKE, "torch_dtype": "complex64"})
+
+
+def test_non_object_config_is_refused():
+    """A JSON array is not a config."""
+    with pytest.raises(ModelConfigError, match="JSON object"):
+        parse_model_config([1, 2])  # type: ignore[arg-type]
+
+
+def test_float32_checkpoint_is_served_in_16_bits():
+    """VLLM's dtype auto serves float32 checkpoints as fp16 (bf16 for Gemma)."""
+    shape = parse_model_config({**LLAMA_LIKE, "torch_dtype": "float32"})
+    assert (shape.checkpoint_dtype, shape.dtype) == ("fp32", "fp16")
+
+
+def test_mistral_style_window_applies_to_every_layer():
+    """A plain sliding_window (no other layout field) applies to all layers."""
+    shape = parse_model_config({**LLAMA_LIKE, "sliding_window": 256})
+    assert shape.layer_kinds == ("sliding",) * 4
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"head_dim": -8}, "'head_dim' must be >= 1"),
+        ({"num_key_value_heads": 0}, "'num_key_value_heads' must be >= 1"),
+        ({"max_position_embeddings": 0}, "'max_position_embeddings' must be >= 1"),
+        ({"attn_layer_period": 4, "attn_layer_offset": 4}, "attn_layer_offset (4) must be <"),
+        ({"layer_types": ["linear_attention"] * 4}, "no attention layers"),
+    ],
+)
+def test_impossible_values_are_refused(change, message):
+    """Values no real model has are errors, not nonsense budgets."""
+    with pytest.raises(ModelConfigError) as info:
+        parse_model_config({**LLAMA_LIKE, **change})
+    assert message in str(info.value)
