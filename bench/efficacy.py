@@ -52,13 +52,13 @@ import aiohttp
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.api.telemetry import configure_logging
-from kvguard.cli.daemon import listen
 from kvguard.core.policy import LEVELS
 from kvguard.core.snapshot import Snapshot
 from kvguard.errors import KvguardError
 from kvguard.probes.engine import EngineProbe
+from kvguard.runtime.assembly import Guard, bound_url, listen
 from kvguard.runtime.daemon import Daemon
-from kvguard.runtime.inprocess import free_port, start_guard, start_watcher
+from kvguard.runtime.inprocess import start_guard, start_watcher
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.loadgen_report import LoadReport
@@ -180,11 +180,10 @@ class LlmdRule:
 
     async def start(self) -> None:
         """Start the proxy and the polling loop."""
-        address = f"127.0.0.1:{free_port()}"
-        settings = ProxySettings(upstream=self.engine_url, listen=address, shed_ratio=0.0)
+        settings = ProxySettings(upstream=self.engine_url, listen="127.0.0.1:0", shed_ratio=0.0)
         self.proxy = AdmissionProxy(settings, self.mitigations)
-        self._runner = await listen(self.proxy.app(), address, cancel=True)
-        self.url = f"http://{address}"
+        self._runner = await listen(self.proxy.app(), "127.0.0.1:0", cancel=True)
+        self.url = bound_url(self._runner)
         self._task = asyncio.ensure_future(self._poll())
 
     async def _poll(self) -> None:
@@ -342,41 +341,35 @@ class Policy:
         self.clock = clock
         self.traces = traces
         self.url = engine_url
-        self.guard: tuple[Daemon, Any, str] | None = None
-        self.watcher: Daemon | None = None
+        self.guard: Guard | None = None
+        self.watcher: Guard | None = None
         self.llmd: LlmdRule | None = None
-        self._loops: list[tuple[asyncio.Event, asyncio.Future[None]]] = []
 
     async def start(self) -> None:
         """Start what the policy puts in front of (or beside) the engine."""
         engine_url = self.engine_url
         if self.name in KVGUARD_PROXY:
             self.guard = await start_guard(engine_url, poll={}, proxy=KVGUARD_PROXY[self.name])
-            daemon, _, self.url = self.guard
-            self._watch(daemon, self.name)
+            assert self.guard.proxy_url is not None  # noqa: S101 - the proxy is enabled
+            self.url = self.guard.proxy_url
+            self._watch(self.guard, self.name)
         elif self.name == "llmd_rule":
             self.llmd = LlmdRule(engine_url, self.clock)
             await self.llmd.start()
             self.url = self.llmd.url
         elif self.name == "none":
             # kvguard in dry-run rides along: same traffic, its warnings timed.
-            self.watcher = start_watcher(engine_url, poll={}, policy={"dry_run": True})
+            self.watcher = await start_watcher(engine_url, poll={}, policy={"dry_run": True})
             self.traces["kvguard_dry_run"] = Trace()
             self._watch(self.watcher, "kvguard_dry_run")
 
-    def _watch(self, daemon: Daemon, trace: str) -> None:
-        stop = asyncio.Event()
-        after_tick = _watch_decisions(daemon, self.clock, self.traces[trace])
-        self._loops.append((stop, asyncio.ensure_future(daemon.run(stop, after_tick=after_tick))))
+    def _watch(self, guard: Guard, trace: str) -> None:
+        guard.run_in_background(_watch_decisions(guard.daemon, self.clock, self.traces[trace]))
 
     async def close(self) -> None:
         """Stop the tick loops, proxies and probes (the engine is the caller's)."""
-        for stop, loop in self._loops:
-            stop.set()
-            await loop
         if self.guard is not None:
-            await self.guard[1].cleanup()
-            await self.guard[0].close()
+            await self.guard.close()
         if self.watcher is not None:
             await self.watcher.close()
         if self.llmd is not None:
@@ -386,7 +379,7 @@ class Policy:
         """The policy's own figures: when it warned, what its proxy clamped or cancelled."""
         if self.guard is not None:
             run.warned_at_s = _first_high(self.traces[self.name])
-            _record_proxy(run, self.guard[0].proxy)
+            _record_proxy(run, self.guard.proxy)
         elif self.llmd is not None:
             run.warned_at_s = self.llmd.first_saturated_at
             _record_proxy(run, self.llmd.proxy)

@@ -201,12 +201,13 @@ class SimulatedBackend:
 
 async def run_fake(settings: Settings) -> tuple[dict[str, Any], dict[str, str]]:
     """The whole check against the fake NVML; (report, extra files)."""
-    from kvguard.api.server import build_app  # noqa: PLC0415
-    from kvguard.cli.daemon import listen  # noqa: PLC0415
+    from kvguard.api.app import build_app  # noqa: PLC0415
     from kvguard.config.settings import parse_config  # noqa: PLC0415
     from kvguard.probes.engine import EngineProbe  # noqa: PLC0415
     from kvguard.probes.nvml import GpuSelector, NvmlProbe  # noqa: PLC0415
-    from kvguard.runtime.daemon import Daemon, Probes  # noqa: PLC0415
+    from kvguard.runtime.assembly import listen  # noqa: PLC0415
+    from kvguard.runtime.daemon import Daemon  # noqa: PLC0415
+    from kvguard.runtime.probing import Probes  # noqa: PLC0415
 
     clock = FakeClock()
     nvml = FakeNvml(
@@ -317,11 +318,12 @@ async def run_fake(settings: Settings) -> tuple[dict[str, Any], dict[str, str]]:
 
 async def _fake_probe(nvml: FakeNvml, engine_url: str) -> dict[str, Any]:
     """What ``kvguard probe --json`` prints, with the fake NVML (and no engine)."""
-    from kvguard.cli.daemon import probe_document  # noqa: PLC0415
+    from kvguard.cli.probe import probe_document  # noqa: PLC0415
     from kvguard.config.settings import config_for_engine  # noqa: PLC0415
     from kvguard.probes.engine import EngineProbe  # noqa: PLC0415
     from kvguard.probes.nvml import GpuSelector, NvmlProbe  # noqa: PLC0415
-    from kvguard.runtime.daemon import Daemon, Probes  # noqa: PLC0415
+    from kvguard.runtime.daemon import Daemon  # noqa: PLC0415
+    from kvguard.runtime.probing import Probes  # noqa: PLC0415
 
     daemon = Daemon(
         config_for_engine(engine_url),

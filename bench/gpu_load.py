@@ -2,7 +2,7 @@
 
 :class:`KvLoad` admits "sequences" and grows each one's KV cache a token at a time,
 at a controlled rate, the way engines that allocate per active sequence do (HF
-transformers servers, multi-model hosts: DESIGN.md section 1, "dynamic KV growth").
+transformers servers, multi-model hosts: docs/how-it-works.md, "What goes wrong").
 Storage comes in blocks of ``block_tokens`` tokens, each a tensor of shape
 ``[layers, 2 (K and V), kv_heads, block_tokens, head_dim]`` in the model's dtype,
 so one token costs ``2 x layers x kv_heads x head_dim x dtype_bytes`` — for

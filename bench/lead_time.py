@@ -28,7 +28,8 @@ from kvguard.config.settings import parse_config
 from kvguard.core.policy import LEVELS
 from kvguard.core.snapshot import Snapshot
 from kvguard.probes.engine import EngineProbe
-from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.runner import PoolSpec, size_pool, start_sim_server

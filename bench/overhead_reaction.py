@@ -59,12 +59,15 @@ BURST_BODY = {"model": "kvguard-sim", "prompt": "word " * 600, "max_tokens": 600
 async def trial(variant: str, seed: int) -> dict[str, Any]:
     """One run: calm, burst, until the first shed response (or ``TRIAL_LIMIT_S``)."""
     server = await start_sim_server(size_pool(POOL), time_model=TimeModel(), seed=seed)
-    daemon, runner, proxy_url = await start_guard(
+    guard = await start_guard(
         server.url,
         poll=POLL,
         proxy=VARIANTS[variant],
         policy={"disabled_actions": ["tighten_window"]},
     )
+    daemon = guard.daemon
+    assert guard.proxy_url is not None  # noqa: S101 - the proxy is enabled
+    proxy_url = guard.proxy_url
     marks: dict[str, Any] = {}
 
     def after_tick(snapshot: Snapshot) -> None:
@@ -86,15 +89,11 @@ async def trial(variant: str, seed: int) -> dict[str, Any]:
             ]
             marks["ticks_at_ok_before"] = daemon.state.ticks_total - 1
 
-    stop = asyncio.Event()
-    loop_task = asyncio.ensure_future(daemon.run(stop, after_tick=after_tick))
+    guard.run_in_background(after_tick)
     try:
         await _drive(proxy_url, server, marks)
     finally:
-        stop.set()
-        await loop_task
-        await runner.cleanup()
-        await daemon.close()
+        await guard.close()
         await server.stop()
     return _trial_result(variant, seed, marks)
 

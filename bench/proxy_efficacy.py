@@ -33,16 +33,13 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from kvguard.api.telemetry import configure_logging
 from kvguard.core.policy import LEVELS
-from kvguard.core.snapshot import Snapshot
+from kvguard.runtime.assembly import Guard
 from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.inprocess import start_guard
 from kvguard.sim.engine import TimeModel
@@ -118,42 +115,6 @@ def load_summary(report: LoadReport) -> dict[str, Any]:
     }
 
 
-class Guard:
-    """kvguard in front of one engine: the live daemon loop and its admission proxy."""
-
-    def __init__(self, daemon: Daemon, runner: web.AppRunner, url: str) -> None:
-        self.daemon = daemon
-        self.runner = runner
-        self.url = url
-        self.stop = asyncio.Event()
-        self.loop: asyncio.Future[None] | None = None
-
-    @classmethod
-    async def start(
-        cls, engine_url: str, *, admission: str = "off", policy: dict[str, Any] | None = None
-    ) -> Guard:
-        """Build the daemon and proxy as ``kvguard run`` does with ``[proxy] enabled``.
-
-        ``policy`` is a ``[policy]`` table to use instead of the defaults.
-        """
-        daemon, runner, url = await start_guard(
-            engine_url, poll=POLL, proxy={"admission": admission}, policy=policy
-        )
-        return cls(daemon, runner, url)
-
-    def run(self, after_tick: Callable[[Snapshot], None]) -> None:
-        """Start the tick loop in the background."""
-        self.loop = asyncio.ensure_future(self.daemon.run(self.stop, after_tick=after_tick))
-
-    async def close(self) -> None:
-        """Stop the loop, the proxy and the probes."""
-        self.stop.set()
-        if self.loop is not None:
-            await self.loop
-        await self.runner.cleanup()
-        await self.daemon.close()
-
-
 async def measure(
     pattern: str,
     seed: int,
@@ -177,13 +138,15 @@ async def measure(
     guard = None
     if mode != "direct":
         admission = "projected" if mode == "kvguard_projected" else "off"
-        guard = await Guard.start(server.url, admission=admission, policy=policy)
+        guard = await start_guard(
+            server.url, poll=POLL, proxy={"admission": admission}, policy=policy
+        )
     run = Run(pattern, seed, mode, oom)
     pattern_start: float | None = None
     try:
         if guard is not None:
-            guard.run(lambda _: _observe(guard.daemon, run, pattern_start))
-        url = guard.url if guard is not None else server.url
+            guard.run_in_background(lambda _: _observe(guard.daemon, run, pattern_start))
+        url = (guard.proxy_url or server.url) if guard is not None else server.url
         warmup = LoadConfig(
             url,
             pattern="steady",

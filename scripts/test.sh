@@ -15,6 +15,7 @@ fi
 echo "== ruff"; .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy
+echo "== lint-imports"; .venv/bin/lint-imports --no-cache
 # Two stages, both run every time (a failure in the first does not skip the second;
 # the first failure's exit code is the script's): the default suite (a few minutes:
 # `.venv/bin/pytest -m "not slow and not real_engine"` while developing), then the

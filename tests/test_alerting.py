@@ -23,13 +23,14 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.cli.daemon import listen, make_proxy
 from kvguard.config.settings import parse_config
 from kvguard.probes.engine import EngineProbe
-from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.assembly import build_guard, listen
+from kvguard.runtime.probing import Probes
 from kvguard.sim.loadgen import LoadConfig, run_load
+from tests.helpers import free_port
 from tests.test_dashboards import METRIC, all_queries, substituted
-from tests.test_run import free_port, start_api
+from tests.test_run import start_api
 
 # Real Prometheus and Alertmanager, and a 30 s burst: the second stage.
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
@@ -202,8 +203,8 @@ async def test_alert_fires_before_the_first_preemption_and_reaches_the_receiver(
 
     hook = web.Application()
     hook.router.add_post("/alerts", receive)
-    hook_port = free_port()
-    hook_runner = await listen(hook, f"127.0.0.1:{hook_port}")
+    hook_runner = await listen(hook, "127.0.0.1:0")
+    hook_port = hook_runner.addresses[0][1]
 
     proxy_address = f"127.0.0.1:{free_port()}"
     config = parse_config(
@@ -216,12 +217,15 @@ async def test_alert_fires_before_the_first_preemption_and_reaches_the_receiver(
     )
     # Dry-run: kvguard decides and exports everything but stops nothing, so the engine
     # does preempt and the alert's lead can be measured.
-    daemon = Daemon(
+    guard = build_guard(
         config,
         probes=Probes(engine=EngineProbe(server.url), nvml=None, host=None),
         dry_run=True,
+        serve_api=False,
+        engine_actions=False,
     )
-    daemon.proxy = make_proxy(config, daemon)
+    daemon = guard.daemon
+    assert daemon.proxy is not None
     proxy_runner = await listen(daemon.proxy.app(), proxy_address, cancel=True)
     api_runner, api = await start_api(daemon)
     stop = asyncio.Event()

@@ -14,15 +14,17 @@ import pytest
 from aiohttp import web
 
 from kvguard import __version__
-from kvguard.api.server import build_app
-from kvguard.cli.daemon import FleetRow, fetch_fleet, fleet_row, listen, render_fleet
+from kvguard.api.app import build_app
 from kvguard.cli.main import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_OK, main
+from kvguard.cli.status import FleetRow, fetch_fleet, fleet_row, render_fleet
 from kvguard.config.settings import parse_config
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.nvml import NvmlProbe
-from kvguard.runtime.daemon import Daemon, Probes
-from kvguard.runtime.inprocess import free_port
+from kvguard.runtime.assembly import listen
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
 from kvguard.testing import FakeGpu, FakeNvml
+from tests.helpers import free_port
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 
@@ -251,8 +253,8 @@ async def start_kvguard(engine_url: str, gpu_free: list[int]) -> tuple[Daemon, w
     daemon = Daemon(config, probes=probes)
     for _ in range(2):
         await daemon.tick()
-    api = f"127.0.0.1:{free_port()}"
-    return daemon, await listen(build_app(daemon), api), f"http://{api}"
+    runner = await listen(build_app(daemon), "127.0.0.1:0")
+    return daemon, runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 @pytest.fixture

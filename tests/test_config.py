@@ -308,3 +308,126 @@ def test_control_token_file_must_be_readable(tmp_path):
             source=str(tmp_path / "kvguard.toml"),
             env={},
         )
+
+
+def test_every_setting_is_declared_once_on_its_field():
+    """Each section's table is its dataclass's fields: a parser and a doc on each."""
+    from dataclasses import fields, is_dataclass  # noqa: PLC0415
+
+    from kvguard.config.schema import parsers, setting_of  # noqa: PLC0415
+    from kvguard.config.settings import _SCHEMA, Config  # noqa: PLC0415 - private on purpose
+
+    config = parse_config({"engine": {"url": "http://127.0.0.1:8000"}}, env={})
+    sections = [
+        getattr(config, spec.name)
+        for spec in fields(Config)
+        if is_dataclass(getattr(config, spec.name)) and parsers(type(getattr(config, spec.name)))
+    ]
+    assert [type(s).__name__ for s in sections] == [
+        "EngineConfig",
+        "ModelConfig",
+        "GpuConfig",
+        "PollConfig",
+        "ServerConfig",
+        "LogConfig",
+        "ProxyConfig",
+        "ReconfigureConfig",
+        "WebhookConfig",
+    ]
+    for section in sections:
+        for spec in fields(section):
+            declared = setting_of(spec)
+            assert declared is not None, f"{type(section).__name__}.{spec.name}"
+            assert declared.doc.strip(), f"{type(section).__name__}.{spec.name}"
+            if declared.parse is None:  # read from a file: a secret, never shown
+                assert type(section).__name__ in ("EngineConfig", "ServerConfig", "WebhookConfig")
+    assert _SCHEMA["gpu"] == parsers(type(config.gpu))
+    assert "memory" in _SCHEMA["gpu"]
+    assert _SCHEMA["pattern"].keys() == {"window_s"}
+    assert list(_SCHEMA["policy"])[-1] == "dry_run"
+
+
+def test_the_defaults_hold_when_their_keys_are_left_out():
+    """A key left out takes its field's default; one given replaces it."""
+    from kvguard.config.settings import Config, EngineConfig  # noqa: PLC0415
+    from kvguard.core.pattern import DEFAULT_THRESHOLDS  # noqa: PLC0415
+
+    config = parse_config({"engine": {"url": "http://127.0.0.1:8000"}}, env={})
+    assert config == Config(engine=EngineConfig(url="http://127.0.0.1:8000"), source="<config>")
+    assert config.pattern_window_s == DEFAULT_THRESHOLDS.window_s
+    assert config.dry_run is False
+    given = parse_config(
+        {
+            "engine": {"url": "http://127.0.0.1:8000"},
+            "pattern": {"window_s": 20},
+            "policy": {"dry_run": True, "hold_s": 5},
+            "gpu": {"memory": "1GiB"},
+        },
+        env={},
+    )
+    assert (given.pattern_window_s, given.dry_run, given.policy.hold_s) == (20.0, True, 5.0)
+    assert given.gpu.memory_bytes == 1024**3
+
+
+def test_redacted_shows_each_field_once_secrets_hidden_api_keys_counted_last(tmp_path):
+    """check-config's view: field order, secrets as ***, API keys as a count at the end."""
+    (tmp_path / "token").write_text("0123456789abcdef0123\n")
+    config = parse_config(
+        {
+            "engine": {"url": "http://127.0.0.1:8000", "token_file": "token"},
+            "proxy": {"api_key_priorities": {"k": "critical"}, "allowed_paths": ["/v1"]},
+            "pattern": {"window_s": 30},
+        },
+        source=str(tmp_path / "kvguard.toml"),
+        env={},
+    )
+    shown = config.redacted()
+    assert list(shown)[:2] == ["source", "engine"]
+    assert list(shown)[-1] == "dry_run"
+    assert shown["engine"]["token"] == "***"
+    assert shown["pattern"] == {"window_s": 30.0}
+    assert list(shown["proxy"])[-1] == "api_key_priorities"
+    assert shown["proxy"]["api_key_priorities"] == "1 keys"
+    assert shown["proxy"]["allowed_paths"] == ["/v1"]
+    assert "0123456789abcdef" not in json.dumps(shown)
+
+
+def test_the_proxy_gets_every_proxy_setting_of_the_config():
+    """make_proxy passes each [proxy] setting the proxy has; upstream defaults to the engine."""
+    from dataclasses import fields  # noqa: PLC0415
+
+    from kvguard.actuators.mitigations import Mitigations  # noqa: PLC0415
+    from kvguard.actuators.proxy import ProxySettings  # noqa: PLC0415
+    from kvguard.runtime.assembly import make_proxy  # noqa: PLC0415
+
+    proxy = {
+        "listen": "127.0.0.1:9001",
+        "priority_header": "X-Class",
+        "trust_priority_header": False,
+        "default_priority": "sheddable",
+        "api_key_priorities": {"k": "critical"},
+        "max_body_bytes": 1024,
+        "connect_timeout_s": 1.5,
+        "read_timeout_s": 60,
+        "upstream_keepalive_s": 0,
+        "min_completion_tokens": 4,
+        "admission": "projected",
+        "admission_ratio": 0.5,
+        "admission_wait_s": 1,
+        "shed_ratio": 0.25,
+        "shed_wait_s": 0.5,
+        "allowed_paths": ["/v1"],
+        "blocked_paths": ["/slots"],
+    }
+    engine = {"url": "http://127.0.0.1:8000"}
+    config = parse_config({"engine": engine, "proxy": proxy}, env={})
+    settings = make_proxy(config, Mitigations(), None).settings
+    for spec in fields(ProxySettings):
+        expected = (
+            config.engine.url if spec.name == "upstream" else getattr(config.proxy, spec.name)
+        )
+        assert getattr(settings, spec.name) == expected, spec.name
+    assert settings != ProxySettings(upstream=config.engine.url)
+    proxy = {"upstream": "http://127.0.0.1:8001"}
+    config = parse_config({"engine": engine, "proxy": proxy}, env={})
+    assert make_proxy(config, Mitigations(), None).settings.upstream == "http://127.0.0.1:8001"

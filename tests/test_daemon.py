@@ -14,7 +14,8 @@ from kvguard.config.settings import parse_config
 from kvguard.core.snapshot import EngineStats, GpuMemory, HostStats
 from kvguard.core.units import GiB
 from kvguard.errors import KvguardError, ProbeError
-from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
 
 
 class Clock:
@@ -39,6 +40,13 @@ class ScriptedProbe:
     closed: bool = False
     calls: int = 0
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    # What the engine's and the process-watching probes also offer (kvguard.probes.base).
+    kind: str | None = None
+    actions: frozenset[str] = frozenset()
+    followed: int | None = None
+
+    def follow(self, pid: int | None) -> None:
+        self.followed = pid
 
     async def sample(self) -> object:
         self.calls += 1

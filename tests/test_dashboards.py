@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from kvguard.api.telemetry import REJECT_REASONS
-from tests.test_run import free_port
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAFANA = ROOT / "dashboards" / "grafana"
@@ -331,7 +331,10 @@ def test_every_expression_parses_in_prometheus(prometheus_port, where, expr):
 
 def test_rejected_reasons_are_the_proxys_and_are_documented():
     """kvguard_requests_rejected_total's reasons: each one the proxy counts, each in metrics.md."""
-    proxy = (ROOT / "kvguard" / "actuators" / "proxy.py").read_text(encoding="utf-8")
+    proxy = "\n".join(  # the package's modules: screen, admit, ...
+        path.read_text(encoding="utf-8")
+        for path in sorted((ROOT / "kvguard" / "actuators" / "proxy").glob("*.py"))
+    )
     counted = set(re.findall(r'rejected\["([a-z_]+)"\]', proxy))  # counted where refused
     screened = set(
         re.findall(r'\b4\d\d,\s+"([a-z_]+)"', proxy)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -20,18 +19,13 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import free_port, until
+
 # Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
 pytestmark = pytest.mark.slow
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 POOL_TOKENS = 4096
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 CONFIG = """
@@ -87,14 +81,6 @@ async def _metric(http: aiohttp.ClientSession, api: str, name: str, **labels: st
     return None
 
 
-async def _wait_for(check, *, limit_s: float, what: str) -> None:
-    for _ in range(int(limit_s / 0.2)):
-        if await check():
-            return
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"never happened: {what}")
-
-
 async def test_sustained_pressure_switches_to_fp8_and_calm_reverts(tmp_path: Path):
     """The pool doubles under pressure and comes back when calm; nothing in flight is lost."""
     engine, api, proxy = free_port(), free_port(), free_port()
@@ -127,7 +113,9 @@ async def test_sustained_pressure_switches_to_fp8_and_calm_reverts(tmp_path: Pat
                     return False  # kvguard is still starting
                 return found == tokens
 
-            await _wait_for(lambda: at(POOL_TOKENS), limit_s=30, what="the engine came up")
+            await until(
+                lambda: at(POOL_TOKENS), timeout_s=30, interval_s=0.2, what="the engine came up"
+            )
             # Seven answers of 800 tokens on a 4,096-token pool: sustained pressure.
             body = {"prompt": "word " * 100, "max_tokens": 800}
             answers = [
@@ -138,7 +126,12 @@ async def test_sustained_pressure_switches_to_fp8_and_calm_reverts(tmp_path: Pat
                 )
                 for _ in range(7)
             ]
-            await _wait_for(lambda: at(2 * POOL_TOKENS), limit_s=120, what="fp8: the pool doubled")
+            await until(
+                lambda: at(2 * POOL_TOKENS),
+                timeout_s=120,
+                interval_s=0.2,
+                what="fp8: the pool doubled",
+            )
             for answer in await asyncio.gather(*answers):
                 assert answer.status == 200  # drained, not cut: every one finished
                 assert (await answer.json())["usage"]["completion_tokens"] == 800
@@ -149,11 +142,20 @@ async def test_sustained_pressure_switches_to_fp8_and_calm_reverts(tmp_path: Pat
                 labels = {"action": action, "result": "succeeded"}
                 return await _metric(http, api_url, "kvguard_reconfigure_total", **labels) == 1.0
 
-            await _wait_for(lambda: counted("kv_fp8"), limit_s=10, what="kv_fp8 counted")
+            await until(
+                lambda: counted("kv_fp8"), timeout_s=10, interval_s=0.2, what="kv_fp8 counted"
+            )
             dtype = await _metric(http, api_url, "kvguard_kv_cache_dtype_info", dtype="fp8")
             assert dtype == 1.0
-            await _wait_for(lambda: at(POOL_TOKENS), limit_s=60, what="calm: reverted")
-            await _wait_for(lambda: counted("revert_kv_fp8"), limit_s=10, what="revert counted")
+            await until(
+                lambda: at(POOL_TOKENS), timeout_s=60, interval_s=0.2, what="calm: reverted"
+            )
+            await until(
+                lambda: counted("revert_kv_fp8"),
+                timeout_s=10,
+                interval_s=0.2,
+                what="revert counted",
+            )
             restarts = await _metric(
                 http, api_url, "kvguard_engine_restarts_total", reason="reconfigure"
             )

@@ -7,8 +7,9 @@ import pytest
 
 from kvguard.config.settings import parse_config
 from kvguard.probes.engine import EngineProbe
-from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.heap import TRIM_EVERY_S, can_trim, trim_heap
+from kvguard.runtime.probing import Probes
 
 
 @pytest.mark.skipif(not can_trim(), reason="this C library has no malloc_trim (not glibc)")

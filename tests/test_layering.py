@@ -1,38 +1,46 @@
-"""The pure core imports no I/O, clock or event loop (DESIGN.md section 3)."""
+"""The layering holds (docs/architecture.md): import-linter's contracts in pyproject.toml."""
 
 from __future__ import annotations
 
-import ast
+import subprocess
+import sys
 from pathlib import Path
 
-import kvguard.core
-
-BANNED = {"asyncio", "aiohttp", "pynvml", "psutil", "time", "socket", "subprocess", "os", "pathlib"}
-
-
-def imported_roots(path: Path) -> set[str]:
-    """Top-level module names a source file imports."""
-    roots = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            roots |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
-    return roots
+ROOT = Path(__file__).resolve().parent.parent
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
-def test_model_package_imports_nothing_that_does_io():
-    """No module under kvguard/core/ imports a banned module."""
-    files = sorted(Path(kvguard.core.__file__).parent.rglob("*.py"))
-    assert files, "kvguard/core/ has no modules"
-    offenders = {
-        str(f.name): imported_roots(f) & BANNED for f in files if imported_roots(f) & BANNED
-    }
-    assert offenders == {}
+def lint_imports(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run lint-imports in the repository root (no cache: the tree under test is read)."""
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
-def test_checker_sees_banned_imports(tmp_path):
-    """The check itself catches `import time` and `from asyncio import x`."""
-    sample = tmp_path / "sample.py"
-    sample.write_text("import time\nfrom asyncio import sleep\nfrom . import sibling\n")
-    assert imported_roots(sample) & BANNED == {"time", "asyncio"}
+def test_every_layering_contract_is_kept():
+    """lint-imports passes: cli > runtime > api > actuators|probes > config > core, and the rest."""
+    result = lint_imports()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 kept, 0 broken" in result.stdout
+
+
+def test_a_broken_contract_fails(tmp_path):
+    """The tool does see imports: forbidding one the commands really make fails the run."""
+    config = tmp_path / "contracts.toml"
+    config.write_text(
+        '[tool.importlinter]\nroot_package = "kvguard"\n\n'
+        "[[tool.importlinter.contracts]]\n"
+        'name = "cli without runtime (false on purpose)"\n'
+        'type = "forbidden"\n'
+        'source_modules = ["kvguard.cli"]\n'
+        'forbidden_modules = ["kvguard.runtime"]\n'
+    )
+    result = lint_imports(str(config))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "kvguard.cli" in result.stdout
+    assert "BROKEN" in result.stdout

@@ -23,7 +23,8 @@ from aiohttp import web
 
 from kvguard.config.settings import parse_config
 from kvguard.runtime.daemon import Daemon
-from tests.test_run import free_port, start_api
+from tests.helpers import free_port
+from tests.test_run import start_api
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "integrations.md"
 # Debian puts nginx in /usr/sbin, which is not on an ordinary user's PATH.

@@ -12,7 +12,8 @@ import pytest
 
 from kvguard.config.settings import parse_config
 from kvguard.runtime.daemon import Daemon
-from tests.test_run import free_port, start_api, until
+from tests.helpers import free_port, until
+from tests.test_run import start_api
 
 pytestmark = pytest.mark.prometheus
 

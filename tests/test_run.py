@@ -3,26 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.api.server import build_app
+from kvguard.api.app import build_app
 from kvguard.config.settings import parse_config
 from kvguard.core.units import GiB
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.host import HostProbe
 from kvguard.probes.nvml import GpuSelector, NvmlProbe
-from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
 from kvguard.testing import FakeGpu, FakeNvml
+from tests.helpers import free_port, until
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 
@@ -52,22 +57,6 @@ METRICS = (
 )
 
 
-async def until(check, timeout: float = 10.0) -> None:
-    """Poll ``check()`` every 10 ms until true; fail after ``timeout`` seconds."""
-    for _ in range(int(timeout / 0.01)):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in time")
-
-
-def free_port() -> int:
-    """A port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def samples(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """Exposition text parsed with prometheus_client: {name: {labels: value}}."""
     out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
@@ -92,9 +81,8 @@ async def start_api(daemon: Daemon) -> tuple[web.AppRunner, str]:
     """Serve the daemon's API on a free loopback port."""
     runner = web.AppRunner(build_app(daemon))
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 @pytest.fixture
@@ -207,6 +195,45 @@ async def test_api_endpoints_tell_the_truth(watched):
     assert doc["budget"]["kv_bytes_per_token"] == 131_072
     assert doc["sources"]["engine"]["ok"] is True
     assert doc["config"]["engine"]["token"] is None
+
+
+async def test_metrics_negotiate_openmetrics_and_gzip(watched):
+    """/metrics: OpenMetrics when asked for (Prometheus asks), gzip when accepted, else text.
+
+    The same series either way: OpenMetrics parses cleanly (prometheus_client's strict
+    parser) and names the same samples as the text format.
+    """
+    _, daemon, url = watched
+    await daemon.tick()
+    openmetrics = "application/openmetrics-text; version=1.0.0"
+    async with aiohttp.ClientSession(auto_decompress=False) as http:
+        plain_headers = {"Accept": "text/plain", "Accept-Encoding": "identity"}
+        async with http.get(f"{url}/metrics", headers=plain_headers) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            assert "Content-Encoding" not in resp.headers
+            text = await resp.text()
+        om_headers = {"Accept": openmetrics, "Accept-Encoding": "identity"}
+        async with http.get(f"{url}/metrics", headers=om_headers) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+            om = await resp.text()
+        gzip_headers = {"Accept": openmetrics, "Accept-Encoding": "gzip"}
+        async with http.get(f"{url}/metrics", headers=gzip_headers) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Encoding"] == "gzip"
+            assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+            zipped = gzip.decompress(await resp.read()).decode()
+    assert om.endswith("# EOF\n")
+    assert zipped.endswith("# EOF\n")
+
+    def keys(families) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+        return {(s.name, tuple(sorted(s.labels.items()))) for f in families for s in f.samples}
+
+    om_keys = keys(openmetrics_families(om))
+    assert om_keys == keys(text_string_to_metric_families(text))
+    assert om_keys == keys(openmetrics_families(zipped))
+    assert {name for name, _ in om_keys} >= set(METRICS)
 
 
 async def test_a_dead_engine_keeps_the_loop_ticking(watched):

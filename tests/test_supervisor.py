@@ -13,15 +13,7 @@ import pytest
 
 from kvguard.actuators.supervisor import Supervisor
 from kvguard.errors import KvguardError
-
-
-async def _until(condition, *, limit_s: float = 10.0) -> None:
-    """Poll real processes until ``condition()`` holds (fails after ``limit_s``)."""
-    for _ in range(int(limit_s / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition never held")
+from tests.helpers import until
 
 
 def _alive(pid: int) -> bool:
@@ -62,7 +54,7 @@ async def test_a_crashed_engine_is_restarted_and_an_oom_is_counted(tmp_path: Pat
     )
     await supervisor.start()
     try:
-        await _until(lambda: "engine up" in output.getvalue())
+        await until(lambda: "engine up" in output.getvalue())
         assert supervisor.restarts["oom"] == 1
         assert supervisor.ooms == 1  # two lines, one OOM
         assert supervisor.last_exit_code == 1
@@ -87,7 +79,7 @@ async def test_stop_terminates_and_kills_an_engine_that_ignores_sigterm():
     output = io.StringIO()
     supervisor = Supervisor([sys.executable, "-c", ignore], stop_timeout_s=0.5, output=output)
     await supervisor.start()
-    await _until(lambda: "ready" in output.getvalue())
+    await until(lambda: "ready" in output.getvalue())
     pid = supervisor.pid
     await supervisor.stop()
     assert pid is not None
@@ -103,10 +95,10 @@ async def test_restart_replaces_the_command_without_counting_a_crash():
     supervisor = Supervisor([sys.executable, "-c", script, "one"], output=output)
     await supervisor.start()
     try:
-        await _until(lambda: "up one" in output.getvalue())
+        await until(lambda: "up one" in output.getvalue())
         first = supervisor.pid
         await supervisor.restart([sys.executable, "-c", script, "two"])
-        await _until(lambda: "up two" in output.getvalue())
+        await until(lambda: "up two" in output.getvalue())
         assert supervisor.pid != first
         assert first is not None
         assert not _alive(first)
@@ -133,7 +125,8 @@ async def test_the_daemon_watches_the_process_it_supervises(sim_engine):
     from kvguard.config.settings import parse_config  # noqa: PLC0415
     from kvguard.probes.engine import EngineProbe  # noqa: PLC0415
     from kvguard.probes.host import HostProbe  # noqa: PLC0415
-    from kvguard.runtime.daemon import Daemon, Probes  # noqa: PLC0415
+    from kvguard.runtime.daemon import Daemon  # noqa: PLC0415
+    from kvguard.runtime.probing import Probes  # noqa: PLC0415
 
     url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
     config = parse_config({"engine": {"url": url}}, env={})
@@ -143,7 +136,7 @@ async def test_the_daemon_watches_the_process_it_supervises(sim_engine):
     daemon.supervisor = Supervisor([sys.executable, "-c", script], output=output)
     await daemon.supervisor.start()
     try:
-        await _until(lambda: "up" in output.getvalue())
+        await until(lambda: "up" in output.getvalue())
         snapshot = await daemon.tick()
         assert snapshot.host is not None
         assert snapshot.host.engine_pid == daemon.supervisor.pid
@@ -184,9 +177,9 @@ async def test_a_reconfigure_during_a_crash_restart_leaves_one_engine(tmp_path: 
         backoff.set()
         await asyncio.sleep(0)  # the crash restart wakes and starts spawning...
         await supervisor.restart([sys.executable, "-c", SLEEPER, "reconfigured"])  # ...then this
-        await _until(lambda: "reconfigured" in output.getvalue())
+        await until(lambda: "reconfigured" in output.getvalue())
         # No engine with the crashed command is left (the crash restart's was stopped).
-        await _until(lambda: not _running_with(marker))
+        await until(lambda: not _running_with(marker))
         assert supervisor.running
         assert supervisor.argv[-1] == "reconfigured"
     finally:

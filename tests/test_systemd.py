@@ -240,7 +240,7 @@ def unit_settings(text: str) -> dict[str, dict[str, list[str]]]:
 
 
 def test_unit_is_hardened_notify_service_with_watchdog():
-    """The unit keeps the settings the guard relies on (DESIGN.md section 3, issue 4)."""
+    """The unit keeps the settings the guard relies on (docs/configuration.md, systemd; issue 4)."""
     service = unit_settings(UNIT_FILE.read_text())["Service"]
     expected = {
         "Type": "notify",

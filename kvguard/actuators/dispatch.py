@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -35,6 +36,19 @@ from kvguard.core.policy import Action
 log = structlog.get_logger("kvguard.actuators")
 _PAUSE_TASK = "engine_pause"  # the one task that pauses and resumes the engine
 EventSink = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class SwitchReport:
+    """The fp8 switch as /status and /metrics show it (a copy: reading it changes nothing)."""
+
+    mode: str  # how the engine is restarted ([reconfigure] mode)
+    restarter: str  # the restarter's description
+    fp8: bool  # the engine runs with the 8-bit KV cache
+    busy: bool  # draining or restarting now
+    last_drain_s: float | None  # how long the last drain took
+    cancelled: int  # requests drains left over and cancelled
+    results: Mapping[tuple[str, str], int]  # (action, result) -> switches
 
 
 class Actuators:
@@ -140,6 +154,35 @@ class Actuators:
                 " with a pause endpoint (vLLM in dev mode, SGLang)"
             )
         return None
+
+    # ------------------------------------------------------------------ what is under way
+    @property
+    def switch_busy(self) -> bool:
+        """Whether the fp8 switch is draining or restarting the engine now."""
+        return self.reconfigurer is not None and self.reconfigurer.busy
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the engine runs with the 8-bit KV cache, as the fp8 switch knows it.
+
+        False without a switch: kvguard then never changed the engine's cache.
+        """
+        return self.reconfigurer is not None and self.reconfigurer.fp8
+
+    def switch_report(self) -> SwitchReport | None:
+        """The fp8 switch's state and counts; None without one (or before the kind is known)."""
+        reconfigurer = self.reconfigurer
+        if reconfigurer is None:
+            return None
+        return SwitchReport(
+            mode=self.mode,
+            restarter=reconfigurer.restarter.description,
+            fp8=reconfigurer.fp8,
+            busy=reconfigurer.busy,
+            last_drain_s=reconfigurer.last_drain_s,
+            cancelled=reconfigurer.cancelled,
+            results=dict(reconfigurer.results),
+        )
 
     # ------------------------------------------------------------------ starting
     def launch(self, action: Action) -> bool:

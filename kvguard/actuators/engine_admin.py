@@ -1,7 +1,7 @@
 """Engine admin actions: evict the prefix cache, pause admission, resume it.
 
 :class:`EngineAdmin` drives one engine's own admin endpoints over HTTP
-(../shared/ENGINES.md records them):
+(docs/engines.md, "Admin endpoints", lists them):
 
 =========  ====================================  ===================================
 engine     evict                                 pause / resume
@@ -50,6 +50,10 @@ state meanwhile and erasing an idle slot twice is harmless.
 No method raises for engine or network failures: each returns an
 :class:`AdminResult`. The token is sent as ``Authorization: Bearer`` and appears
 in no detail or log line.
+
+One module of ~550 lines on purpose: the per-engine rules above share one retry and
+one "unsupported, remembered" discipline, and most of its length is this table of
+the engines' behaviour.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ import aiohttp
 import structlog
 from yarl import URL
 
+from kvguard.actuators.retry import retry
 from kvguard.errors import InvalidInputError
 from kvguard.http_client import client_session
 
@@ -275,24 +280,25 @@ class EngineAdmin:
         if action in self._unavailable:
             # Found missing before: say so again without another request.
             return AdminResult(action, False, False, self._unavailable[action], 0)
-        step = _Step("fail", "no attempt made")
-        made = 0
-        uncertain = False  # a transient failure may have acted before it failed
-        for number in range(1, self._retries + 1):
-            step = await attempt()
-            made = number
-            if step.verdict == "done":
-                return AdminResult(action, True, True, step.detail, number)
-            if step.verdict == "fail":
-                return AdminResult(action, False, True, step.detail, number, uncertain)
-            if step.verdict == "unsupported":
-                self._mark_unavailable(action, step.detail)
-                return AdminResult(action, False, False, step.detail, number, uncertain)
-            uncertain = True
-            if number < self._retries:
-                await self._sleep(self._backoff_s * 2 ** (number - 1))
+        ran = await retry(
+            attempt,
+            attempts=self._retries,
+            backoff_s=self._backoff_s,
+            retryable=lambda step: step.verdict == "retry",
+            sleep=self._sleep,
+        )
+        step, made = ran.outcome, ran.attempts
+        # Every attempt before the last was retried: a transient failure may have acted.
+        uncertain = made > 1
+        if step.verdict == "done":
+            return AdminResult(action, True, True, step.detail, made)
+        if step.verdict == "fail":
+            return AdminResult(action, False, True, step.detail, made, uncertain)
+        if step.verdict == "unsupported":
+            self._mark_unavailable(action, step.detail)
+            return AdminResult(action, False, False, step.detail, made, uncertain)
         detail = f"{step.detail}; gave up after {made} attempt{'s' if made > 1 else ''}"
-        return AdminResult(action, False, True, detail, made, uncertain)
+        return AdminResult(action, False, True, detail, made, uncertain=True)
 
     def _not_offered(self, action: AdminAction) -> AdminResult:
         name = _ENGINE_NAMES[self._kind]

@@ -1,6 +1,6 @@
 """The start flags that set an engine's KV-cache data type, per engine kind.
 
-Engines take the KV dtype at start only (../shared/ENGINES.md), so switching to fp8
+Engines take the KV dtype at start only (docs/engines.md, "KV cache dtype"), so switching to fp8
 means restarting with a different command line. :func:`with_kv_dtype` rewrites an
 argv: it drops whatever KV-dtype flags the command had and appends the ones for the
 wanted dtype. Pure functions; nothing here runs a process.

@@ -69,8 +69,17 @@ class Mitigations:
     draining: bool = False
     drain_retry_after_s: int = 60
     # Starts an asynchronous action (evict, kv_fp8, revert_kv_fp8, and the engine-side
-    # shed); returns whether it started. Set by the daemon when actuators exist.
+    # shed); returns whether it started. Connected by the assembly when actuators exist.
     launch: Callable[[Action], bool] | None = field(default=None, repr=False)
+
+    def connect(self, *, launch: Callable[[Action], bool]) -> None:
+        """Start asynchronous actions through ``launch`` (the actuators, built after this).
+
+        The one link :func:`kvguard.runtime.assembly.build_guard` makes after building:
+        the actuators need the mitigations (the proxy's drain), and the mitigations
+        start the actuators' actions.
+        """
+        self.launch = launch
 
     def apply(
         self, actions: Iterable[Action], level: str, retry_after_s: int

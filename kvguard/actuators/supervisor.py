@@ -49,6 +49,7 @@ OOM_PATTERNS = re.compile(
 BACKOFF_MAX_S = 60.0
 STABLE_AFTER_S = 60.0  # up this long: the next crash starts the backoff afresh
 OOM_RECENT_S = 30.0  # an OOM line this close to an exit makes it an OOM exit
+RESTART_REASONS = ("crash", "oom", "reconfigure")  # why the engine was restarted
 
 EventSink = Callable[[str, dict[str, Any]], None]
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -106,7 +107,7 @@ class Supervisor:
         self.output = output if output is not None else sys.stderr
         self.clock = clock
         self.sleep = sleep
-        self.restarts: Counter[str] = Counter()  # reason: crash, oom, reconfigure
+        self.restarts: Counter[str] = Counter()  # reason (RESTART_REASONS) -> restarts
         self.ooms = 0
         self.last_exit_code: int | None = None
         self._process: asyncio.subprocess.Process | None = None
@@ -127,6 +128,16 @@ class Supervisor:
         """The engine's PID while it runs."""
         process = self._process
         return process.pid if process is not None and process.returncode is None else None
+
+    @property
+    def program(self) -> str:
+        """The engine's program, without its arguments (they can hold an API key)."""
+        return self.argv[0]
+
+    @property
+    def restarts_by_reason(self) -> dict[str, int]:
+        """Restarts so far by reason (those of :data:`RESTART_REASONS` seen), a copy."""
+        return dict(self.restarts)
 
     @property
     def running(self) -> bool:

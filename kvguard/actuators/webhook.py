@@ -52,6 +52,7 @@ import structlog
 from yarl import URL
 
 from kvguard import __version__
+from kvguard.actuators.retry import retry
 from kvguard.errors import InvalidInputError
 from kvguard.http_client import client_session
 
@@ -317,24 +318,25 @@ class Webhooks:
 
     async def _deliver(self, target: _Target, event: _Event) -> bool:
         """Post one event with retries; True when delivered, False (logged) when not."""
-        attempts = 1 + self.settings.retries
-        for attempt in range(1, attempts + 1):
-            status, error = await self._attempt(target, event)
-            if status is not None and 200 <= status < 300:
-                return True
-            retryable = status is None or status == 429 or status >= 500
-            if not retryable or attempt == attempts:
-                log.warning(
-                    "webhook_failed",
-                    url=target.shown,
-                    event_name=event.name,
-                    status=status,
-                    error=error,
-                    attempts=attempt,
-                )
-                return False
-            await self._sleep(self.settings.backoff_s * 2 ** (attempt - 1))
-        return False  # pragma: no cover -- the loop always returns on its last attempt
+        ran = await retry(
+            lambda: self._attempt(target, event),
+            attempts=1 + self.settings.retries,
+            backoff_s=self.settings.backoff_s,
+            retryable=_worth_retrying,
+            sleep=self._sleep,
+        )
+        status, error = ran.outcome
+        if status is not None and 200 <= status < 300:
+            return True
+        log.warning(
+            "webhook_failed",
+            url=target.shown,
+            event_name=event.name,
+            status=status,
+            error=error,
+            attempts=ran.attempts,
+        )
+        return False
 
     async def _attempt(self, target: _Target, event: _Event) -> tuple[int | None, str | None]:
         """One POST: its status, or None and a loggable reason when it got no answer."""
@@ -356,6 +358,12 @@ class Webhooks:
             return None, f"no answer within {self.settings.timeout_s:g} s"
         except _HTTP_ERRORS as exc:
             return None, _describe(exc, target)
+
+
+def _worth_retrying(outcome: tuple[int | None, str | None]) -> bool:
+    """No answer, 429 or 5xx: another attempt may go through (2xx and other codes are final)."""
+    status = outcome[0]
+    return status is None or status == 429 or status >= 500
 
 
 def _describe(exc: BaseException, target: _Target) -> str:

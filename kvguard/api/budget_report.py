@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import PurePath
 
+from kvguard.core.bars import text_bar
 from kvguard.core.budget import Budget, BudgetReport
 from kvguard.core.units import DTYPE_BYTES, format_bytes
 
 BAR_WIDTH = 30
-_EIGHTHS = " ▏▎▍▌▋▊▉"
 
 
 def budget_to_dict(report: BudgetReport, source: str, gpu: str) -> dict[str, object]:
@@ -138,8 +138,7 @@ def _memory_lines(b: Budget) -> list[tuple[str, int]]:
 
 def _bar_line(name: str, size: int, total: int) -> str:
     share = size / total if total else 0.0
-    eighths = round(max(0.0, min(share, 1.0)) * BAR_WIDTH * 8)
-    bar = "█" * (eighths // 8) + (_EIGHTHS[eighths % 8] if eighths % 8 else "")
+    bar = text_bar(max(0.0, min(share, 1.0)), BAR_WIDTH, eighths=True)
     return f"  {name:<20} {format_bytes(size):>11} {share:>6.1%}  {bar}"
 
 

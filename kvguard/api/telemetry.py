@@ -13,6 +13,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import structlog
 from prometheus_client.core import (
@@ -28,7 +29,9 @@ from kvguard.api.telemetry_actions import actuator_metrics
 from kvguard.core.pattern import TRAFFIC_PATTERNS
 from kvguard.core.policy import LEVELS
 from kvguard.core.snapshot import EngineShare
-from kvguard.runtime.daemon import Daemon
+
+if TYPE_CHECKING:
+    from kvguard.runtime.daemon import Daemon
 
 BUDGET_COMPONENTS = ("weights", "kv_pool", "activations", "overhead", "headroom")
 # Every reason the proxy counts a refusal under (kvguard.actuators.proxy), exported as

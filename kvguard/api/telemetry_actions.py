@@ -6,12 +6,16 @@ Engine admin calls, the fp8 switch, the supervised engine and the webhooks.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvguard.actuators.engine_flags import FP8_DTYPE, FP8_FLAGS, kv_dtype_of
+from kvguard.actuators.supervisor import RESTART_REASONS
 from kvguard.api.metric_families import counter_family, gauge
-from kvguard.runtime.daemon import Daemon
+
+if TYPE_CHECKING:
+    from kvguard.runtime.daemon import Daemon
 
 
 def actuator_metrics(daemon: Daemon) -> Iterator[Metric]:
@@ -30,25 +34,25 @@ def actuator_metrics(daemon: Daemon) -> Iterator[Metric]:
             "1 while kvguard holds the engine paused (engine-side shed).",
             value=1.0 if actuators.paused else 0.0,
         )
-        reconfigurer = actuators.reconfigurer
-        if reconfigurer is not None:
+        switch = actuators.switch_report()
+        if switch is not None:
             yield counter_family(
                 "kvguard_reconfigure",
                 "fp8 KV switches (drain and restart) by action and result.",
                 ["action", "result"],
-                reconfigurer.results,
+                switch.results,
             )
             yield from gauge(
                 "kvguard_drain_duration_seconds",
                 "Duration of the last drain before a restart.",
-                reconfigurer.last_drain_s,
+                switch.last_drain_s,
             )
             if daemon.proxy is None:  # with the proxy, it counts drain cancellations itself
                 yield counter_family(
                     "kvguard_requests_cancelled",
                     "Requests cancelled: left over by a drain.",
                     ["reason"],
-                    {"drain": reconfigurer.cancelled},
+                    {"drain": switch.cancelled},
                 )
     supervisor = daemon.supervisor
     if supervisor is not None:
@@ -56,7 +60,7 @@ def actuator_metrics(daemon: Daemon) -> Iterator[Metric]:
             "kvguard_engine_restarts",
             "Restarts of the supervised engine by reason: crash, oom, reconfigure.",
             ["reason"],
-            {"crash": 0, "oom": 0, "reconfigure": 0, **supervisor.restarts},
+            {**dict.fromkeys(RESTART_REASONS, 0), **supervisor.restarts_by_reason},
         )
         yield CounterMetricFamily(
             "kvguard_engine_oom",
@@ -78,9 +82,10 @@ def _dtype_info(daemon: Daemon) -> Iterator[Metric]:
     snapshot = daemon.state.snapshot
     dtype = snapshot.engine.cache_dtype if snapshot and snapshot.engine else None
     actuators = daemon.actuators
-    if dtype is None and actuators is not None and actuators.reconfigurer is not None:
+    switch = actuators.switch_report() if actuators is not None else None
+    if dtype is None and actuators is not None and switch is not None:
         kind = actuators.kind or ""
-        if actuators.reconfigurer.fp8:
+        if switch.fp8:
             dtype = FP8_DTYPE.get(kind) or kv_dtype_of(FP8_FLAGS.get(kind, ()), kind)
         else:
             supervisor = daemon.supervisor

@@ -34,8 +34,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from aiohttp import web
-
 from kvguard.actuators.proxy import ProxyCounters
 from kvguard.api.telemetry import configure_logging
 from kvguard.cli.demo_view import (
@@ -50,7 +48,7 @@ from kvguard.cli.demo_view import (
 from kvguard.core.policy import LEVELS
 from kvguard.core.snapshot import Snapshot
 from kvguard.errors import InvalidInputError, KvguardError
-from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.assembly import Guard
 from kvguard.runtime.inprocess import start_guard
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
@@ -418,12 +416,11 @@ def _record(
 class _Guard:
     """kvguard in front of the engine, as ``kvguard run`` with ``[proxy] enabled``."""
 
-    def __init__(self, daemon: Daemon, runner: web.AppRunner, url: str) -> None:
-        self.daemon = daemon
-        self.runner = runner
-        self.url = url
-        self.stop = asyncio.Event()
-        self.loop: asyncio.Future[None] | None = None
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.daemon = guard.daemon
+        assert guard.proxy_url is not None  # noqa: S101 - the proxy is enabled
+        self.url = guard.proxy_url
         self.start_s: float | None = None  # when the load began; events are timed from it
         self.peak_level = "ok"
         self.actions: Counter[str] = Counter()
@@ -433,18 +430,15 @@ class _Guard:
     @classmethod
     async def start(cls, engine_url: str) -> _Guard:
         """Build the live daemon and its proxy on a free port of 127.0.0.1."""
-        daemon, runner, url = await start_guard(
-            engine_url, poll=POLL, proxy={"admission": "projected"}
-        )
-        return cls(daemon, runner, url)
+        return cls(await start_guard(engine_url, poll=POLL, proxy={"admission": "projected"}))
 
     async def run_until_ready(self, view: LiveView) -> None:
         """Start ticking; return once kvguard knows the engine's pool (admission needs it)."""
         self._view = view
-        self.loop = asyncio.ensure_future(self.daemon.run(self.stop, after_tick=self._after_tick))
+        loop = self.guard.run_in_background(self._after_tick)
         deadline = time.monotonic() + FIRST_TICK_WAIT_S
         while self.daemon.mitigations.pool_tokens is None:
-            if time.monotonic() > deadline or self.loop.done():
+            if time.monotonic() > deadline or loop.done():
                 raise KvguardError("kvguard could not read the simulated engine's KV pool")
             await asyncio.sleep(0.05)
 
@@ -475,11 +469,9 @@ class _Guard:
 
     async def close(self) -> None:
         """Stop the loop, the proxy and the probes."""
-        self.stop.set()
-        if self.loop is not None:
-            await asyncio.gather(self.loop, return_exceptions=True)
-        await self.runner.cleanup()
-        await self.daemon.close()
+        # A loop that died was reported already (run_until_ready, or the run's outcome).
+        with contextlib.suppress(Exception):
+            await self.guard.close()
 
 
 __all__ = ["SUMMARY_KEYS", "RunOutcome", "add_demo_parser", "main", "run_demo"]

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TextIO, cast
 
+from kvguard.core.bars import text_bar
 from kvguard.core.policy import Action, Decision
 from kvguard.sim.runner import PoolSpec
 
@@ -50,8 +51,7 @@ class StatusSample:
 
 def status_text(sample: StatusSample) -> str:
     """The one-line status of a run, what matters most first (a narrow terminal cuts it)."""
-    filled = min(_BAR_WIDTH, round(sample.kv_usage * _BAR_WIDTH))
-    bar = "#" * filled + "." * (_BAR_WIDTH - filled)
+    bar = text_bar(min(sample.kv_usage, 1.0), _BAR_WIDTH, fill="#", empty=".")
     kv = f"KV {sample.kv_usage:4.0%} [{bar}]"
     clock = f"{sample.t_s:5.1f}/{sample.duration_s:g}s"
     queue = f"running {sample.running}  waiting {sample.waiting}"

@@ -14,7 +14,7 @@ from typing import NoReturn
 
 from kvguard import __version__
 from kvguard.api.budget_report import budget_to_dict, render_budget
-from kvguard.cli import daemon as daemon_cli
+from kvguard.cli import check_config, probe, run, status
 from kvguard.cli import loadgen as loadgen_cli
 from kvguard.cli import sim_engine as engine_cli
 from kvguard.cli.demo import add_demo_parser
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     add_demo_parser(commands)
     _add_budget(commands)
-    daemon_cli.register(commands)
+    for command in (run, probe, status, check_config):
+        command.register(commands)
     engine_cli.register(commands)
     loadgen_cli.register(commands)
     return parser

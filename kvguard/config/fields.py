@@ -15,6 +15,8 @@ from kvguard.core.units import parse_bytes
 from kvguard.errors import InvalidInputError
 
 Parser = Callable[[str, object], object]
+# The proxy's request classes, most important first.
+PRIORITIES = ("critical", "standard", "sheddable")
 
 
 def integer(minimum: int, maximum: int = 2**31) -> Parser:
@@ -34,14 +36,12 @@ def number(low: float, high: float, *, low_open: bool = True) -> Parser:
     """A number in (low, high] (or [low, high] when not ``low_open``)."""
 
     def parse(name: str, value: object) -> object:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ok:
-            number = float(value)  # type: ignore[arg-type]
-            ok = (low < number if low_open else low <= number) and number <= high
-        if not ok:
-            bracket = "(" if low_open else "["
-            raise InvalidInputError(name, value, f"must be a number in {bracket}{low:g}, {high:g}]")
-        return float(value)  # type: ignore[arg-type]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+            if (low < number if low_open else low <= number) and number <= high:
+                return number
+        bracket = "(" if low_open else "["
+        raise InvalidInputError(name, value, f"must be a number in {bracket}{low:g}, {high:g}]")
 
     return parse
 
@@ -117,11 +117,11 @@ def boolean(name: str, value: object) -> object:
 
 def key_map(name: str, value: object) -> object:
     """A table of API key to priority class; errors never show the key."""
-    allowed = 'must be a table of API key = "critical" | "standard" | "sheddable"'
+    allowed = "must be a table of API key = " + " | ".join(f'"{p}"' for p in PRIORITIES)
     if not isinstance(value, Mapping):
         raise InvalidInputError(name, "<redacted>", allowed)
     for key, priority in value.items():
-        if priority not in ("critical", "standard", "sheddable"):
+        if priority not in PRIORITIES:
             # The key is a secret: name the class, never the key.
             raise InvalidInputError(f"{name}.<key>", priority, allowed)
         if not str(key).strip():

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 from urllib.parse import urlsplit
 
 from kvguard.config.fields import (
+    PRIORITIES,
     Parser,
     argv,
     blocked_path,
@@ -36,11 +37,14 @@ from kvguard.config.fields import (
     url,
     webhook_url,
 )
+from kvguard.config.schema import about, parsers, renamed, setting, setting_factory, setting_of
 from kvguard.core.forecast import ForecastSettings
-from kvguard.core.policy import ACTION_KINDS, PolicyConfig
+from kvguard.core.pattern import DEFAULT_THRESHOLDS
+from kvguard.core.policy import ACTION_KINDS, LEVELS, PolicyConfig
 from kvguard.core.snapshot import ENGINE_KINDS, EngineKind
 from kvguard.core.units import KV_DTYPES
 from kvguard.errors import ConfigError, InvalidInputError
+from kvguard.http_client import DEFAULT_KEEPALIVE_S
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,7 +56,7 @@ TOKEN_ENV = "KVGUARD_ENGINE_TOKEN"  # noqa: S105 - the variable's name, not a se
 CONTROL_TOKEN_ENV = "KVGUARD_CONTROL_TOKEN"  # noqa: S105 - the variable's name, not a secret
 # A bearer token anyone can guess is no lock: at least this many characters.
 CONTROL_TOKEN_MIN_CHARS = 16
-# The engines' own admin and debug endpoints (DESIGN.md section 7, ENGINES.md): they
+# The engines' own admin and debug endpoints (docs/engines.md, "Admin endpoints"): they
 # pause, flush, abort, sleep or describe the engine. kvguard calls them itself, on the
 # engine's own address; through the proxy's public port they would let any client do so.
 ENGINE_ADMIN_PATHS: tuple[str, ...] = (
@@ -123,70 +127,110 @@ class Secret:
         return hash(self._value)
 
 
+def _program_only(argv: tuple[str, ...]) -> list[str]:
+    """A command as shown: the program and a count (its arguments may carry credentials)."""
+    if not argv:
+        return []
+    return [argv[0], f"<{len(argv) - 1} more arguments>"] if len(argv) > 1 else [argv[0]]
+
+
+def _origin_only(address: str) -> str:
+    """``scheme://host[:port]`` of a URL: no userinfo, path, query or fragment."""
+    parts = urlsplit(address)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+
+
+def _origins_only(addresses: tuple[str, ...]) -> list[str]:
+    """Webhook URLs as shown: scheme, host and port only.
+
+    They carry tokens in their path (Slack, Teams, Discord) or query.
+    """
+    return [_origin_only(address) for address in addresses]
+
+
+def _key_count(keys: Mapping[str, str]) -> str:
+    """API keys as shown: they are secrets, so only how many are mapped."""
+    return f"{len(keys)} keys"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """``[engine]``: the inference server kvguard watches."""
 
-    url: str
-    kind: EngineKind | Literal["auto"] = "auto"
-    metrics_path: str = "/metrics"
-    token_file: str | None = None
-    token: Secret | None = field(default=None, compare=False)
-    pid: int | None = None
-    process_name: str | None = None
-    shed_by_pause: bool = False  # without the proxy, a critical shed pauses the engine
-    admin_timeout_s: float = 5.0
-    admin_attempts: int = 3
+    url: str = field(metadata=about(url, "the engine's base URL (required)"))
+    kind: EngineKind | Literal["auto"] = field(
+        default="auto",
+        metadata=about(choice(("auto", *ENGINE_KINDS)), "the engine's kind (auto: found out)"),
+    )
+    metrics_path: str = setting("/metrics", path_in_url, "where the engine's metrics are")
+    token_file: str | None = setting(None, text, "the admin token's file (else $" + TOKEN_ENV + ")")
+    token: Secret | None = field(
+        default=None, compare=False, metadata=about(None, "the admin token, from token_file")
+    )
+    pid: int | None = setting(None, integer(1, 2**22), "the engine's process id")
+    process_name: str | None = setting(None, text, "the engine's process name, if not pid")
+    shed_by_pause: bool = setting(
+        False, boolean, "without the proxy, a critical shed pauses the engine"
+    )
+    admin_timeout_s: float = setting(5.0, number(0.0, 600.0), "an admin call's time limit")
+    admin_attempts: int = setting(3, integer(1, 20), "tries of an admin call")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """``[model]``: what the engine serves and how, for the VRAM budget."""
 
-    config: str | None = None
-    tp: int = 1
-    pp: int = 1
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    block_size: int = 16
-    weights_bytes: int | None = None
-    activation_bytes: int | None = None
-    overhead_bytes: int | None = None
+    config: str | None = setting(None, text, "a bundled model's name or a config.json")
+    tp: int = setting(1, integer(1, 1024), "tensor-parallel size")
+    pp: int = setting(1, integer(1, 1024), "pipeline-parallel size")
+    max_model_len: int | None = setting(None, integer(1), "the longest sequence served")
+    max_num_seqs: int = setting(256, integer(1, 1_000_000), "the most sequences in a batch")
+    max_num_batched_tokens: int = setting(8192, integer(1), "the most tokens in a batch")
+    kv_cache_dtype: str = setting("auto", choice(KV_DTYPES), "the KV cache's element type")
+    gpu_memory_utilization: float = setting(
+        0.9, number(0.0, 1.0), "the share of GPU memory the engine takes"
+    )
+    kv_cache_memory_bytes: int | None = setting(None, size, "the KV cache's size, if fixed")
+    block_size: int = setting(16, integer(1, 4096), "tokens per KV block")
+    weights_bytes: int | None = setting(None, size, "the weights' size (else computed)")
+    activation_bytes: int | None = setting(None, size, "activations' size (else estimated)")
+    overhead_bytes: int | None = setting(None, size, "other memory (else estimated)")
 
 
 @dataclass(frozen=True)
 class GpuConfig:
     """``[gpu]``: which GPUs to watch, and their memory for the budget."""
 
-    indices: tuple[int, ...] = ()
-    uuids: tuple[str, ...] = ()
-    memory_bytes: int | None = None
-    # Supervisor mode: watch the GPUs the supervised engine's processes use. Off by
-    # default: in a container NVML reports host PIDs, which then match nothing.
-    follow_engine: bool = False
+    indices: tuple[int, ...] = setting((), list_of(integer(0, 1023)), "GPUs by index")
+    uuids: tuple[str, ...] = setting((), list_of(text), "GPUs by UUID, if not by index")
+    memory_bytes: int | None = setting(None, size, "one GPU's memory", key="memory")
+    # Off by default: in a container NVML reports host PIDs, which then match nothing.
+    follow_engine: bool = setting(
+        False, boolean, "supervisor mode: watch the GPUs the engine's processes use"
+    )
 
 
 @dataclass(frozen=True)
 class PollConfig:
     """``[poll]``: how often to tick and how long a probe may take."""
 
-    interval_s: float = 0.5
-    min_interval_s: float = 0.1
-    timeout_s: float = 2.0
+    interval_s: float = setting(0.5, number(0.0, 60.0), "seconds between ticks")
+    min_interval_s: float = setting(0.1, number(0.0, 60.0), "the shortest tick under pressure")
+    timeout_s: float = setting(2.0, number(0.0, 60.0), "a probe's time limit")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """``[server]``: kvguard's own HTTP API."""
 
-    listen: str = "127.0.0.1:9108"
+    listen: str = setting("127.0.0.1:9108", listen, "HOST:PORT of kvguard's API")
     # /control/* is off (404) unless a token is configured (file, else environment).
-    control_token_file: str | None = None
-    control_token: Secret | None = field(default=None, compare=False)
+    control_token_file: str | None = setting(
+        None, text, "the /control/* token's file (else $" + CONTROL_TOKEN_ENV + ")"
+    )
+    control_token: Secret | None = field(
+        default=None, compare=False, metadata=about(None, "the /control/* bearer token")
+    )
 
     @property
     def host(self) -> str:
@@ -203,65 +247,127 @@ class ServerConfig:
 class LogConfig:
     """``[log]``: level and format (``auto``: JSON unless stderr is a terminal)."""
 
-    level: str = "info"
-    format: str = "auto"
+    level: str = setting("info", choice(LOG_LEVELS), "the least severe level logged")
+    format: str = setting("auto", choice(LOG_FORMATS), "auto: JSON unless stderr is a terminal")
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
     """``[proxy]``: the admission proxy in front of the engine (off unless enabled)."""
 
-    enabled: bool = False
-    listen: str = "127.0.0.1:9000"
-    upstream: str | None = None  # default: [engine] url
-    priority_header: str = "X-Priority"
-    # False: the header is ignored; only api_key_priorities or default_priority decide.
-    trust_priority_header: bool = True
-    default_priority: str = "standard"
+    enabled: bool = setting(False, boolean, "run the admission proxy")
+    listen: str = setting("127.0.0.1:9000", listen, "HOST:PORT clients send requests to")
+    upstream: str | None = setting(None, url, "where requests go (default: [engine] url)")
+    priority_header: str = setting("X-Priority", text, "the header naming a request's class")
+    trust_priority_header: bool = setting(
+        True, boolean, "false: only api_key_priorities or default_priority decide"
+    )
+    default_priority: str = setting(
+        "standard", choice(PRIORITIES), "the class of a request nothing else classifies"
+    )
     # The keys are secrets: never in a repr (a logged config, a traceback's locals).
-    api_key_priorities: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
-    max_body_bytes: int = 16 * 1024 * 1024
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 600.0
-    # Idle upstream connections are dropped after this (0: one connection per request).
+    api_key_priorities: Mapping[str, str] = setting_factory(
+        dict,
+        key_map,
+        "API key = class",
+        shown=_key_count,
+        shown_last=True,
+        compare=False,
+        repr=False,
+    )
+    max_body_bytes: int = setting(16 * 1024 * 1024, size, "the largest request body")
+    connect_timeout_s: float = setting(
+        5.0, number(0.0, 600.0), "the time limit to connect upstream"
+    )
+    read_timeout_s: float = setting(
+        600.0, number(0.0, 86_400.0), "the time limit between upstream reads"
+    )
     # Keep it under the engine's keep-alive timeout (5 s for uvicorn and llama-server).
-    upstream_keepalive_s: float = 4.0  # kvguard.http_client.DEFAULT_KEEPALIVE_S
-    min_completion_tokens: int = 16
-    fail_readiness_at: str = "critical"  # or "never": /readyz 503 while shedding at this level
-    admission: str = "off"  # "projected": admit against the engine's pool, no poll delay
-    admission_ratio: float = 0.95
-    admission_wait_s: float = 5.0
-    shed_ratio: float = 0.8  # while shedding, a shed class still fills the pool up to this
-    shed_wait_s: float = 2.0  # ... held this long at most for room, then 503
-    allowed_paths: tuple[str, ...] = ("/",)  # path prefixes forwarded (default: all)
-    blocked_paths: tuple[str, ...] = ENGINE_ADMIN_PATHS  # ... except these: 403
+    upstream_keepalive_s: float = setting(
+        DEFAULT_KEEPALIVE_S,
+        number(0.0, 3600.0, low_open=False),
+        "idle upstream connections are dropped after this (0: one per request)",
+    )
+    min_completion_tokens: int = setting(16, integer(1), "the smallest max_tokens a clamp leaves")
+    fail_readiness_at: str = setting(
+        "critical",
+        choice(("critical", "high", "never")),
+        "/readyz answers 503 while shedding at this level (never: not at all)",
+    )
+    admission: str = setting(
+        "off",
+        choice(("off", "projected")),
+        "projected: admit against the engine's pool, no poll delay",
+    )
+    admission_ratio: float = setting(
+        0.95, number(0.0, 1.0), "the share of the pool admission fills"
+    )
+    admission_wait_s: float = setting(
+        5.0, number(0.0, 600.0, low_open=False), "how long a request waits to be admitted"
+    )
+    shed_ratio: float = setting(
+        0.8,
+        number(0.0, 1.0, low_open=False),
+        "while shedding, a shed class still fills the pool up to this",
+    )
+    shed_wait_s: float = setting(
+        2.0, number(0.0, 600.0, low_open=False), "... held this long at most for room, then 503"
+    )
+    allowed_paths: tuple[str, ...] = setting(
+        ("/",), list_of(path_prefix), "path prefixes forwarded (default: all)"
+    )
+    blocked_paths: tuple[str, ...] = setting(
+        ENGINE_ADMIN_PATHS, list_of(blocked_path), "... except these: 403"
+    )
 
 
 @dataclass(frozen=True)
 class ReconfigureConfig:
     """``[reconfigure]``: how the fp8 KV switch restarts the engine."""
 
-    mode: str = "auto"  # auto: supervisor with a command after `--`, else off
-    drain_timeout_s: float = 60.0
-    start_timeout_s: float = 600.0
-    stop_timeout_s: float = 30.0
-    crash_backoff_s: float = 1.0
-    systemd_unit: str | None = None
-    systemd_dropin_dir: str = "/etc/systemd/system"
-    systemctl: tuple[str, ...] = ("systemctl",)
-    command: tuple[str, ...] = ()
-    command_timeout_s: float = 600.0
+    mode: str = setting(
+        "auto",
+        choice(("auto", "off", "supervisor", "systemd", "command")),
+        "auto: supervisor with a command after `--`, else off",
+    )
+    drain_timeout_s: float = setting(
+        60.0, number(0.0, 86_400.0, low_open=False), "how long a restart waits for requests"
+    )
+    start_timeout_s: float = setting(
+        600.0, number(0.0, 86_400.0), "how long a restarted engine may take to serve"
+    )
+    stop_timeout_s: float = setting(
+        30.0, number(0.0, 3600.0), "how long the engine may take to stop"
+    )
+    crash_backoff_s: float = setting(
+        1.0, number(0.0, 3600.0), "the pause before restarting a crashed engine"
+    )
+    systemd_unit: str | None = setting(None, text, "the engine's unit (mode systemd)")
+    systemd_dropin_dir: str = setting(
+        "/etc/systemd/system", text, "where the unit's drop-in is written"
+    )
+    systemctl: tuple[str, ...] = setting(("systemctl",), argv, "how systemctl is run")
+    command: tuple[str, ...] = setting(
+        (), argv, "the restart command (mode command)", shown=_program_only
+    )
+    command_timeout_s: float = setting(
+        600.0, number(0.0, 86_400.0), "the restart command's time limit"
+    )
 
 
 @dataclass(frozen=True)
 class WebhookConfig:
     """``[webhook]``: where events are POSTed, and how."""
 
-    urls: tuple[str, ...] = field(default=(), repr=False)  # a query may hold a token
-    secret_file: str | None = None
-    secret: Secret | None = field(default=None, compare=False)
-    timeout_s: float = 5.0
-    retries: int = 3
+    urls: tuple[str, ...] = setting(
+        (), list_of(webhook_url), "where events are POSTed", shown=_origins_only, repr=False
+    )  # a query may hold a token
+    secret_file: str | None = setting(None, text, "the signing secret's file")
+    secret: Secret | None = field(
+        default=None, compare=False, metadata=about(None, "the signing secret, from secret_file")
+    )
+    timeout_s: float = setting(5.0, number(0.0, 600.0), "a POST's time limit")
+    retries: int = setting(3, integer(0, 20), "retries of a failed POST")
 
 
 @dataclass(frozen=True)
@@ -276,137 +382,69 @@ class Config:
     log: LogConfig = LogConfig()
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     forecast: ForecastSettings = field(default_factory=ForecastSettings)
-    pattern_window_s: float = 60.0
+    pattern_window_s: float = setting(
+        DEFAULT_THRESHOLDS.window_s,
+        number(0.0, 3600.0),
+        "the seconds of ticks the traffic pattern is named from",
+        key="pattern.window_s",
+        shown_as="pattern.window_s",
+    )
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     reconfigure: ReconfigureConfig = field(default_factory=ReconfigureConfig)
     webhook: WebhookConfig = field(default_factory=WebhookConfig)
-    dry_run: bool = False
+    # A daemon setting, read from [policy] (where operators look), not the ladder's.
+    dry_run: bool = setting(
+        False, boolean, "decide and report, act on nothing", key="policy.dry_run"
+    )
     source: str = "<defaults>"
 
     def redacted(self) -> dict[str, Any]:
         """The configuration as plain values for /status and check-config, secrets hidden."""
-        engine = self.engine
-        return {
-            "source": self.source,
-            "engine": {
-                "url": engine.url,
-                "kind": engine.kind,
-                "metrics_path": engine.metrics_path,
-                "token_file": engine.token_file,
-                "token": "***" if engine.token is not None else None,
-                "pid": engine.pid,
-                "process_name": engine.process_name,
-                "shed_by_pause": engine.shed_by_pause,
-                "admin_timeout_s": engine.admin_timeout_s,
-                "admin_attempts": engine.admin_attempts,
-            },
-            "model": dict(vars(self.model)),
-            "gpu": {
-                "indices": list(self.gpu.indices),
-                "uuids": list(self.gpu.uuids),
-                "memory_bytes": self.gpu.memory_bytes,
-                "follow_engine": self.gpu.follow_engine,
-            },
-            "poll": dict(vars(self.poll)),
-            "server": {
-                "listen": self.server.listen,
-                "control_token_file": self.server.control_token_file,
-                "control_token": "***" if self.server.control_token is not None else None,
-            },
-            "log": dict(vars(self.log)),
-            "policy": _plain(self.policy),
-            "forecast": _plain(self.forecast),
-            "pattern": {"window_s": self.pattern_window_s},
-            "proxy": {
-                **{k: v for k, v in vars(self.proxy).items() if k != "api_key_priorities"},
-                # API keys are secrets: only how many are mapped is shown.
-                "api_key_priorities": f"{len(self.proxy.api_key_priorities)} keys",
-            },
-            "reconfigure": {
-                **_plain(self.reconfigure),  # type: ignore[dict-item]
-                # A restart command may carry credentials: the program and a count only.
-                "command": _program_only(self.reconfigure.command),
-            },
-            "webhook": {
-                # Webhook URLs carry tokens in their path (Slack, Teams, Discord) or
-                # query: scheme, host and port only.
-                "urls": [_origin_only(u) for u in self.webhook.urls],
-                "secret_file": self.webhook.secret_file,
-                "secret": "***" if self.webhook.secret is not None else None,
-                "timeout_s": self.webhook.timeout_s,
-                "retries": self.webhook.retries,
-            },
-            "dry_run": self.dry_run,
-        }
+        shown: dict[str, Any] = {"source": self.source}
+        for spec in fields(self):
+            if spec.name == "source":
+                continue
+            declared = setting_of(spec)
+            place = declared.shown_as if declared and declared.shown_as else spec.name
+            section, _, name = place.rpartition(".")
+            (shown.setdefault(section, {}) if section else shown)[name] = _shown(
+                getattr(self, spec.name)
+            )
+        return shown
 
 
-def _program_only(argv: tuple[str, ...]) -> list[str]:
-    if not argv:
-        return []
-    return [argv[0], f"<{len(argv) - 1} more arguments>"] if len(argv) > 1 else [argv[0]]
+def _shown(value: object) -> object:
+    """``value`` as JSON-ready values, secrets hidden (tuples and sets become lists).
 
-
-def _origin_only(address: str) -> str:
-    """``scheme://host[:port]`` of a URL: no userinfo, path, query or fragment."""
-    parts = urlsplit(address)
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
-
-
-def _plain(value: object) -> object:
-    """A dataclass tree as JSON-ready values (tuples and sets become lists)."""
+    A dataclass becomes a table of its fields, each shown as its setting says.
+    """
+    if isinstance(value, Secret):
+        return "***"
     if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+        table: dict[str, object] = {}
+        last: dict[str, object] = {}
+        for spec in fields(value):
+            declared = setting_of(spec)
+            item = getattr(value, spec.name)
+            into = last if declared and declared.shown_last else table
+            into[spec.name] = declared.shown(item) if declared and declared.shown else _shown(item)
+        return {**table, **last}
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): _shown(v) for k, v in value.items()}
     if isinstance(value, (tuple, list, set, frozenset)):
         return (
-            [_plain(v) for v in sorted(value)]
+            [_shown(v) for v in sorted(value)]
             if isinstance(value, (set, frozenset))
-            else [_plain(v) for v in value]
+            else [_shown(v) for v in value]
         )
     return value
 
 
-_SCHEMA: dict[str, dict[str, Parser]] = {
-    "engine": {
-        "url": url,
-        "kind": choice(("auto", *ENGINE_KINDS)),
-        "metrics_path": path_in_url,
-        "token_file": text,
-        "pid": integer(1, 2**22),
-        "process_name": text,
-        "shed_by_pause": boolean,
-        "admin_timeout_s": number(0.0, 600.0),
-        "admin_attempts": integer(1, 20),
-    },
-    "model": {
-        "config": text,
-        "tp": integer(1, 1024),
-        "pp": integer(1, 1024),
-        "max_model_len": integer(1),
-        "max_num_seqs": integer(1, 1_000_000),
-        "max_num_batched_tokens": integer(1),
-        "kv_cache_dtype": choice(KV_DTYPES),
-        "gpu_memory_utilization": number(0.0, 1.0),
-        "kv_cache_memory_bytes": size,
-        "block_size": integer(1, 4096),
-        "weights_bytes": size,
-        "activation_bytes": size,
-        "overhead_bytes": size,
-    },
-    "gpu": {
-        "indices": list_of(integer(0, 1023)),
-        "uuids": list_of(text),
-        "memory": size,
-        "follow_engine": boolean,
-    },
-    "poll": {
-        "interval_s": number(0.0, 60.0),
-        "min_interval_s": number(0.0, 60.0),
-        "timeout_s": number(0.0, 60.0),
-    },
-    "server": {"listen": listen, "control_token_file": text},
-    "log": {"level": choice(LOG_LEVELS), "format": choice(LOG_FORMATS)},
+# [policy] (with [policy.<level>] and [policy.cooldowns]) and [forecast] fill the core's
+# PolicyConfig and ForecastSettings, which know nothing of files: their parsers, one
+# table per section, are declared here.
+_LADDER = tuple(level for level in LEVELS if level != "ok")
+_POLICY_TABLES: dict[str, dict[str, Parser]] = {
     "policy": {
         "tte_min_usage": number(0.0, 1.0, low_open=False),
         "confirm_ticks": integer(1, 1000),
@@ -420,8 +458,7 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
         "fp8_after_s": number(0.0, 86_400.0, low_open=False),
         "fp8_revert_calm_s": number(0.0, 604_800.0, low_open=False),
         "max_restarts_per_hour": integer(0, 60),
-        "disabled_actions": list_of(choice(ACTION_KINDS)),
-        "dry_run": boolean,
+        "disabled_actions": list_of(choice(ACTION_KINDS)),  # PolicyConfig.disabled
     },
     **{
         f"policy.{level}": {
@@ -430,59 +467,81 @@ _SCHEMA: dict[str, dict[str, Parser]] = {
             "gpu_free_ratio": number(0.0, 1.0, low_open=False),
             "preemptions_per_s": number(0.0, 1e6),
         }
-        for level in ("elevated", "high", "critical")
+        for level in _LADDER
     },
     "policy.cooldowns": {kind: number(0.0, 86_400.0, low_open=False) for kind in ACTION_KINDS},
+}
+_FORECAST_TABLES: dict[str, dict[str, Parser]] = {
     "forecast": {
         "horizons_s": list_of(number(0.0, 86_400.0)),
         "window_s": number(0.0, 3600.0),
         "kv_reserve_ratio": number(0.0, 0.5, low_open=False),
-        "gpu_reserve": size,
+        "gpu_reserve": size,  # ForecastSettings.gpu_reserve_bytes
         "min_rise_ratio_per_s": number(0.0, 1.0, low_open=False),
     },
-    "pattern": {"window_s": number(0.0, 3600.0)},
-    "proxy": {
-        "enabled": boolean,
-        "listen": listen,
-        "upstream": url,
-        "priority_header": text,
-        "trust_priority_header": boolean,
-        "default_priority": choice(("critical", "standard", "sheddable")),
-        "api_key_priorities": key_map,
-        "max_body_bytes": size,
-        "connect_timeout_s": number(0.0, 600.0),
-        "read_timeout_s": number(0.0, 86_400.0),
-        "upstream_keepalive_s": number(0.0, 3600.0, low_open=False),
-        "min_completion_tokens": integer(1),
-        "fail_readiness_at": choice(("critical", "high", "never")),
-        "admission": choice(("off", "projected")),
-        "admission_ratio": number(0.0, 1.0),
-        "admission_wait_s": number(0.0, 600.0, low_open=False),
-        "shed_ratio": number(0.0, 1.0, low_open=False),
-        "shed_wait_s": number(0.0, 600.0, low_open=False),
-        "allowed_paths": list_of(path_prefix),
-        "blocked_paths": list_of(blocked_path),
-    },
-    "reconfigure": {
-        "mode": choice(("auto", "off", "supervisor", "systemd", "command")),
-        "drain_timeout_s": number(0.0, 86_400.0, low_open=False),
-        "start_timeout_s": number(0.0, 86_400.0),
-        "stop_timeout_s": number(0.0, 3600.0),
-        "crash_backoff_s": number(0.0, 3600.0),
-        "systemd_unit": text,
-        "systemd_dropin_dir": text,
-        "systemctl": argv,
-        "command": argv,
-        "command_timeout_s": number(0.0, 86_400.0),
-    },
-    "webhook": {
-        "urls": list_of(webhook_url),
-        "secret_file": text,
-        "timeout_s": number(0.0, 600.0),
-        "retries": integer(0, 20),
-    },
 }
-_RENAMED = {("gpu", "memory"): "memory_bytes"}
+
+Sections = dict[str, dict[str, Any]]  # section name: the parsed values of its keys
+
+
+def _policy(sections: Sections) -> PolicyConfig:
+    base = PolicyConfig()
+    levels = {
+        level: replace(getattr(base, level), **sections[f"policy.{level}"]) for level in _LADDER
+    }
+    options = dict(sections["policy"])
+    disabled: tuple[str, ...] = options.pop("disabled_actions", ())
+    return replace(
+        base,
+        **levels,
+        **options,
+        cooldowns_s={**base.cooldowns_s, **sections["policy.cooldowns"]},
+        disabled=frozenset(disabled),
+    )
+
+
+def _forecast(sections: Sections) -> ForecastSettings:
+    options = dict(sections["forecast"])
+    if "gpu_reserve" in options:
+        options["gpu_reserve_bytes"] = float(options.pop("gpu_reserve"))
+    return replace(ForecastSettings(), **options)
+
+
+_CORE: dict[str, tuple[dict[str, dict[str, Parser]], Callable[[Sections], object]]] = {
+    "policy": (_POLICY_TABLES, _policy),
+    "forecast": (_FORECAST_TABLES, _forecast),
+}
+
+
+def _derive() -> tuple[
+    dict[str, type[Any]], dict[str, tuple[str, str]], dict[str, dict[str, Parser]]
+]:
+    """What :class:`Config`'s fields declare.
+
+    Its section dataclasses (by name), its own settings (field: section and key), and
+    the parser of every key of every section, in the order the file's tables are known.
+    """
+    types = get_type_hints(Config)
+    tables: dict[str, type[Any]] = {}
+    own: dict[str, tuple[str, str]] = {}
+    schema: dict[str, dict[str, Parser]] = {}
+    for spec in fields(Config):
+        declared = setting_of(spec)
+        kind: object = types[spec.name]
+        if declared is not None and declared.parse is not None and declared.key:
+            section, _, key = declared.key.partition(".")
+            own[spec.name] = (section, key)
+            schema.setdefault(section, {})[key] = declared.parse
+        elif spec.name in _CORE:
+            schema.update(_CORE[spec.name][0])
+        elif isinstance(kind, type) and is_dataclass(kind) and parsers(kind):
+            tables[spec.name] = kind
+            schema[spec.name] = parsers(kind)
+    return tables, own, schema
+
+
+_TABLES, _OWN, _SCHEMA = _derive()
+_RENAMED = {section: renamed(table) for section, table in _TABLES.items()}  # key: field
 
 
 def parse_config(
@@ -494,7 +553,7 @@ def parse_config(
     """
     env = os.environ if env is None else env
     problems: list[tuple[str, object, str]] = []
-    sections: dict[str, dict[str, object]] = {name: {} for name in _SCHEMA}
+    sections: Sections = {name: {} for name in _SCHEMA}
     for section, body in _flatten_tables(data):
         if section not in _SCHEMA:
             problems.append((section, body, f"unknown section (known: {', '.join(_SCHEMA)})"))
@@ -502,6 +561,7 @@ def parse_config(
         if not isinstance(body, Mapping):
             problems.append((section, body, "must be a table ([section])"))
             continue
+        names = _RENAMED.get(section, {})
         for key, value in body.items():
             name = f"{section}.{key}"
             parser = _SCHEMA[section].get(key)
@@ -510,8 +570,7 @@ def parse_config(
                 problems.append((name, value, f"unknown key (known in [{section}]: {known})"))
                 continue
             try:
-                target = _RENAMED.get((section, str(key)), str(key))
-                sections[section][target] = parser(name, value)
+                sections[section][names.get(str(key), str(key))] = parser(name, value)
             except InvalidInputError as exc:
                 problems.append((exc.field, exc.value, exc.allowed))
     if "url" not in sections["engine"] and not any(p[0] == "engine.url" for p in problems):
@@ -526,22 +585,17 @@ def parse_config(
         problems += [p for p in (token_problem, secret_problem, control_problem) if p]
     if problems:
         raise ConfigError(source, problems)
-    return Config(
-        engine=EngineConfig(**sections["engine"], token=token),  # type: ignore[arg-type]
-        model=ModelConfig(**sections["model"]),  # type: ignore[arg-type]
-        gpu=GpuConfig(**sections["gpu"]),  # type: ignore[arg-type]
-        poll=PollConfig(**sections["poll"]),  # type: ignore[arg-type]
-        server=ServerConfig(**sections["server"], control_token=control),  # type: ignore[arg-type]
-        log=LogConfig(**sections["log"]),  # type: ignore[arg-type]
-        policy=_policy(sections),
-        forecast=_forecast(sections),
-        pattern_window_s=float(sections["pattern"].get("window_s", 60.0)),  # type: ignore[arg-type]
-        proxy=ProxyConfig(**sections["proxy"]),  # type: ignore[arg-type]
-        reconfigure=ReconfigureConfig(**sections["reconfigure"]),  # type: ignore[arg-type]
-        webhook=WebhookConfig(**sections["webhook"], secret=secret),  # type: ignore[arg-type]
-        dry_run=bool(sections["policy"].get("dry_run", False)),
-        source=source,
-    )
+    sections["engine"]["token"] = token
+    sections["server"]["control_token"] = control
+    sections["webhook"]["secret"] = secret
+    values: dict[str, Any] = {
+        name: sections[section].pop(key)
+        for name, (section, key) in _OWN.items()
+        if key in sections[section]
+    }
+    values |= {name: table(**sections[name]) for name, table in _TABLES.items()}
+    values |= {name: build(sections) for name, (_, build) in _CORE.items()}
+    return Config(**values, source=source)
 
 
 def _flatten_tables(data: Mapping[str, object]) -> list[tuple[str, object]]:
@@ -559,35 +613,7 @@ def _flatten_tables(data: Mapping[str, object]) -> list[tuple[str, object]]:
     return out
 
 
-def _policy(sections: dict[str, dict[str, object]]) -> PolicyConfig:
-    base = PolicyConfig()
-    levels = {
-        level: replace(getattr(base, level), **sections[f"policy.{level}"])
-        for level in ("elevated", "high", "critical")
-    }
-    options: dict[str, Any] = dict(sections["policy"])
-    disabled: tuple[str, ...] = options.pop("disabled_actions", ())
-    options.pop(
-        "dry_run", None
-    )  # a daemon setting ([policy] is where operators look), not the ladder's
-    cooldowns: dict[str, Any] = {**base.cooldowns_s, **sections["policy.cooldowns"]}
-    return replace(
-        base,
-        **levels,
-        **options,
-        cooldowns_s=cooldowns,
-        disabled=frozenset(disabled),
-    )
-
-
-def _forecast(sections: dict[str, dict[str, object]]) -> ForecastSettings:
-    options = dict(sections["forecast"])
-    if "gpu_reserve" in options:
-        options["gpu_reserve_bytes"] = float(options.pop("gpu_reserve"))  # type: ignore[arg-type]
-    return replace(ForecastSettings(), **options)  # type: ignore[arg-type]
-
-
-def _cross_checks(sections: dict[str, dict[str, object]]) -> list[tuple[str, object, str]]:
+def _cross_checks(sections: Sections) -> list[tuple[str, object, str]]:
     problems: list[tuple[str, object, str]] = []
     engine, gpu, poll = sections["engine"], sections["gpu"], sections["poll"]
     if "pid" in engine and "process_name" in engine:

@@ -1,8 +1,8 @@
 """Traffic pattern: which kind of load the engine has been serving lately.
 
-The ladder (DESIGN.md section 6) picks its first mitigation by traffic pattern,
-because a few very long conversations and thousands of short bursty requests
-stress different limits even at the same token throughput. :func:`classify`
+The ladder (docs/how-it-works.md, "Policy: the ladder") picks its first mitigation
+by traffic pattern, because a few very long conversations and thousands of short
+bursty requests stress different limits even at the same token throughput. :func:`classify`
 reads the ticks of the last ``window_s`` seconds (default 60) and names one of
 five patterns. It is pure and deterministic; every number it used comes back in
 :attr:`PatternReading.features` for ``/status`` and the logs.
@@ -99,8 +99,9 @@ class PatternThresholds:
     """Every threshold of the classifier, with the reasoning behind its default.
 
     Sizes are in tokens. The defaults sit on boundaries an operator would name,
-    between the shapes of DESIGN.md section 1; tests/core/test_pattern.py checks
-    them on recorded runs of every loadgen pattern (tests/fixtures/patterns/).
+    between the traffic shapes of docs/how-it-works.md ("What goes wrong");
+    tests/core/test_pattern.py checks them on recorded runs of every loadgen
+    pattern (tests/fixtures/patterns/).
     """
 
     window_s: float = 60.0

@@ -19,7 +19,7 @@ Levels ``ok → elevated → high → critical``:
   thresholds (entry minus a margin) for ``hold_s`` seconds, and goes down one level
   per hold time (kubelet's pressure transition period).
 
-Actions follow DESIGN.md section 6 per traffic pattern; a disabled action falls
+Per pattern, actions follow docs/how-it-works.md, "Policy: the ladder"; a disabled action falls
 through to its fallback. ``elevated`` only alerts. ``kv_fp8`` follows pressure
 (``high`` or worse) sustained for ``fp8_after_s``, at most ``max_restarts_per_hour``;
 ``revert_kv_fp8`` follows ``fp8_revert_calm_s`` of ``ok``. Every action kind has a
@@ -295,7 +295,8 @@ def _entered(now: float, level: Level, state: GuardState) -> GuardState:
     )
 
 
-# What each pattern calls for, per level (DESIGN.md section 6); later entries add to earlier.
+# What each pattern calls for, per level (docs/how-it-works.md, "Policy: the ladder"); later
+# entries add to earlier.
 _LADDER: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     "long_context": {"high": ("tighten_window",), "critical": ("evict", "cancel_largest")},
     "bursty_short": {"high": ("shed:sheddable",), "critical": ("shed:standard",)},

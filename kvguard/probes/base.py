@@ -1,8 +1,16 @@
-"""The shape every probe has."""
+"""The shapes probes have: what the daemon, /status and /metrics use of them.
+
+:class:`Probe` is every probe; :class:`FollowingProbe` one that watches a process
+and can be pointed at another (the host and GPU probes, in supervisor mode);
+:class:`EngineSource` the engine's probe, which also says what the engine is and
+which admin actions it offers.
+"""
 
 from __future__ import annotations
 
 from typing import Protocol, TypeVar
+
+from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -16,10 +24,44 @@ class Probe(Protocol[T_co]):
 
     name: str
 
+    @property
+    def available(self) -> bool:
+        """False while the source is not there at all (no NVIDIA driver).
+
+        Such a source is down but not failing: its errors are not counted. True for
+        a source that can always be asked (an engine, the host).
+        """
+        ...
+
     async def sample(self) -> T_co:
         """Read the source once."""
         ...
 
     async def close(self) -> None:
         """Release what the probe holds (sessions, library handles)."""
+        ...
+
+
+class FollowingProbe(Probe[T_co], Protocol[T_co]):
+    """A probe that watches one process and can be moved to another."""
+
+    def follow(self, pid: int | None) -> None:
+        """Watch ``pid`` from the next sample on (supervisor mode: the engine kvguard started).
+
+        None, and a probe configured to watch something else, changes nothing.
+        """
+        ...
+
+
+class EngineSource(Probe[EngineStats], Protocol):
+    """The engine's probe: its readings, and what the engine is."""
+
+    @property
+    def kind(self) -> EngineKind | None:
+        """The engine's kind: as configured, or as detected (None until then)."""
+        ...
+
+    @property
+    def actions(self) -> frozenset[EngineAction]:
+        """Admin actions the engine offers; empty while its kind is unknown."""
         ...

@@ -59,6 +59,9 @@ class _SharedScrape:
 class EngineProbe:
     """Reads one engine's metrics (and llama.cpp's slots) into :class:`EngineStats`.
 
+    A :class:`~kvguard.probes.base.EngineSource`: it also says the engine's kind and
+    admin actions.
+
     ``url`` is the engine's base URL (``http://127.0.0.1:8000``); paths are
     appended to it, and redirects are not followed, so the probe talks to that
     server only. ``token`` is sent as ``Authorization: Bearer`` and never logged
@@ -68,6 +71,7 @@ class EngineProbe:
     """
 
     name = PROBE_NAME
+    available = True  # an engine that does not answer is failing, not absent
 
     def __init__(
         self,

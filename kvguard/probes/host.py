@@ -42,7 +42,7 @@ def process_tree(pid: int, *, psutil_module: PsutilModule = None) -> tuple[int, 
 
 
 class HostProbe:
-    """Reads host memory and the engine process; a :class:`~kvguard.probes.base.Probe`.
+    """Reads host memory and the engine process; a :class:`~kvguard.probes.base.FollowingProbe`.
 
     Give ``pid`` to watch one process, or ``process_name`` to watch the oldest
     running process of that name (psutil's ``name()``, e.g. ``llama-server``); the
@@ -51,6 +51,7 @@ class HostProbe:
     """
 
     name: str = PROBE_NAME
+    available: bool = True  # the host is always there to ask
 
     def __init__(
         self,

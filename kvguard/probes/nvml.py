@@ -14,6 +14,10 @@ Failures become :class:`~kvguard.errors.ProbeError`, never ``NVMLError``:
   the rest of the reading still comes back.
 
 ``pynvml`` is imported lazily, so kvguard runs where ``nvidia-ml-py`` is missing.
+
+One module of ~600 lines on purpose: it is the only place that touches ``pynvml``
+(the pure-core contract bans it everywhere else), and its thread, timeout and
+failure rules apply to every NVML call alike.
 """
 
 from __future__ import annotations
@@ -224,7 +228,7 @@ def _check_selection(
 
 
 class NvmlProbe:
-    """Reads GPU memory through NVML; a :class:`~kvguard.probes.base.Probe` named ``nvml``.
+    """Reads GPU memory through NVML; a :class:`~kvguard.probes.base.FollowingProbe` (``nvml``).
 
     ``nvml`` is a pynvml-like module (:class:`kvguard.testing.FakeNvml` in tests;
     None imports ``pynvml``). ``timeout_s`` bounds each sample's NVML work;

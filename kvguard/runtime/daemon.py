@@ -1,9 +1,12 @@
 """The loop: observe every source, build one snapshot per tick, keep the budget, decide.
 
-Time and concurrency live here and nowhere else. Each tick runs every probe
-concurrently with its own timeout; a probe that fails or hangs marks its data
-stale and counts an error, and the loop goes on. The clock and the sleep are
-injected so tests drive ticks without waiting.
+Time and concurrency live here and nowhere else. Each tick (:meth:`Daemon.tick`)
+is four named steps: observe (every probe concurrently, each with its own timeout;
+a probe that fails or hangs marks its data stale and counts an error, and the loop
+goes on), keep the budget (:mod:`kvguard.runtime.budget_keeping`), decide and act
+(:class:`~kvguard.runtime.decision.Brain`), record. :meth:`Daemon.run` ticks, then
+sleeps until :meth:`Daemon.next_interval` — the one place the poll interval is
+computed. The clock and the sleep are injected so tests drive ticks without waiting.
 """
 
 from __future__ import annotations
@@ -12,69 +15,42 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from kvguard import __version__
-from kvguard.actuators.proxy import AdmissionProxy
-from kvguard.config.model_files import load_model_files
 from kvguard.config.settings import Config
-from kvguard.core.budget import BudgetReport, budget_inputs_from, plan_budget
-from kvguard.core.snapshot import EngineStats, GpuMemory, HostStats, Snapshot, SourceReading
-from kvguard.core.units import DTYPE_BYTES
-from kvguard.errors import InvalidInputError, KvguardError, ProbeError
-from kvguard.probes.base import Probe
-from kvguard.probes.engine import EngineProbe
-from kvguard.probes.host import HostProbe
-from kvguard.probes.nvml import GpuSelector, NvmlProbe
-from kvguard.runtime.decision import Brain
+from kvguard.core.budget import BudgetReport
+from kvguard.core.snapshot import EngineStats, Snapshot
+from kvguard.errors import InvalidInputError, ProbeError
+from kvguard.runtime.budget_keeping import BudgetKeeping, budget_for
+from kvguard.runtime.decision import Brain, ControlOutcome
 from kvguard.runtime.heap import TRIM_EVERY_S, trim_heap
+from kvguard.runtime.probing import (
+    DEFAULT_LOOP_STALL_S,
+    DaemonState,
+    LoopWatchdog,
+    Probes,
+    ProbeTracker,
+)
 
 if TYPE_CHECKING:
     from kvguard.actuators.dispatch import Actuators
+    from kvguard.actuators.proxy import AdmissionProxy
     from kvguard.actuators.supervisor import Supervisor
     from kvguard.actuators.webhook import Webhooks
 
-T = TypeVar("T")
 log = structlog.get_logger("kvguard.daemon")
 
 # Poll at the minimum interval when the cache or the GPU is this close to full
 # (earlyoom polls faster as headroom shrinks: the time to react is what is short).
 FAST_POLL_KV_USAGE = 0.9
 FAST_POLL_GPU_FREE_RATIO = 0.05
-# A reported KV capacity this far from the budget's prediction is logged.
-RECONCILIATION_TOLERANCE = 0.05
-# The loop watchdog wakes this often and reports the loop stalled when a wake-up is
-# this late: a stalled loop also stalls the proxy and the HTTP API, not only the ticks.
-LOOP_WATCH_PERIOD_S = 0.1
-DEFAULT_LOOP_STALL_S = 1.0
 # Probes run concurrently, each under poll.timeout_s; a tick this much longer than
 # that was held up by something that blocked the loop (a slow collector, a sync call).
 TICK_OVERRUN_MARGIN_S = 0.5
-
-
-def budget_for(
-    config: Config, gpu_memory_bytes: int | None, kv_cache_dtype: str | None = None
-) -> BudgetReport | None:
-    """The VRAM budget of ``config``'s ``[model]`` on GPUs of ``gpu_memory_bytes``.
-
-    ``kv_cache_dtype`` replaces ``[model] kv_cache_dtype`` (the engine's, after an fp8
-    switch). None without ``model.config``; raises :class:`KvguardError` for an
-    unusable one.
-    """
-    model = config.model
-    if model.config is None:
-        return None
-    files = load_model_files(model.config)
-    overrides: dict[str, object] = {"gpu_memory_bytes": gpu_memory_bytes}
-    if kv_cache_dtype is not None:
-        overrides["kv_cache_dtype"] = kv_cache_dtype
-    inputs = budget_inputs_from(model, **overrides)
-    return plan_budget(
-        files.config, inputs, index_total_size=files.index_total_size, source=files.source
-    )
 
 
 def _admin_keys(config: Config) -> tuple[object, ...]:
@@ -89,145 +65,7 @@ def _admin_keys(config: Config) -> tuple[object, ...]:
     )
 
 
-@dataclass
-class ProbeTracker(Generic[T]):
-    """One probe's last good value, its staleness and its error count."""
-
-    probe: Probe[T]
-    value: T | None = None
-    read_at: float | None = None
-    ok: bool = False
-    error: str | None = None
-    errors_total: int = 0
-    duration_s: float = 0.0
-    ever_failed: bool = False
-
-    def reading(self, now: float) -> SourceReading:
-        """The source's state for the snapshot."""
-        age = None if self.read_at is None else now - self.read_at
-        available = getattr(self.probe, "available", True) is not False
-        return SourceReading(self.ok, age, self.error, available)
-
-
-@dataclass(frozen=True)
-class Reconciliation:
-    """The budget's predicted KV capacity against what the engine reports."""
-
-    predicted_tokens: int
-    reported_tokens: int
-
-    @property
-    def difference_tokens(self) -> int:
-        """Reported minus predicted: positive when the engine got more than forecast."""
-        return self.reported_tokens - self.predicted_tokens
-
-    @property
-    def difference_ratio(self) -> float | None:
-        """The difference relative to the prediction."""
-        return self.difference_tokens / self.predicted_tokens if self.predicted_tokens else None
-
-
-@dataclass
-class Probes:
-    """The probes one daemon runs; built from the config, or injected by tests."""
-
-    engine: Probe[EngineStats]
-    nvml: Probe[tuple[GpuMemory, ...]] | None
-    host: Probe[HostStats] | None
-
-    @classmethod
-    def from_config(cls, config: Config) -> Probes:
-        """Probes for the engine, the selected GPUs and the host/engine process."""
-        engine = config.engine
-        token = engine.token.reveal() if engine.token is not None else None
-        # The engine's PID picks its GPUs only when [gpu] selects none (as documented).
-        explicit = bool(config.gpu.indices or config.gpu.uuids)
-        pids = (engine.pid,) if engine.pid is not None and not explicit else ()
-        return cls(
-            engine=EngineProbe(
-                engine.url,
-                kind=engine.kind,
-                metrics_path=engine.metrics_path,
-                token=token,
-                timeout_s=config.poll.timeout_s,
-            ),
-            nvml=NvmlProbe(
-                GpuSelector(config.gpu.indices, config.gpu.uuids, pids),
-                timeout_s=config.poll.timeout_s,
-            ),
-            host=HostProbe(pid=engine.pid, process_name=engine.process_name),
-        )
-
-    def all(self) -> dict[str, Probe[Any]]:
-        """Every configured probe by name."""
-        probes: dict[str, Probe[Any]] = {"engine": self.engine}
-        if self.nvml is not None:
-            probes["nvml"] = self.nvml
-        if self.host is not None:
-            probes["host"] = self.host
-        return probes
-
-
-@dataclass
-class DaemonState:
-    """What the exporter and /status read: the latest of everything."""
-
-    snapshot: Snapshot | None = None
-    budget: BudgetReport | None = None
-    budget_error: str | None = None
-    reconciliation: Reconciliation | None = None
-    ticks_total: int = 0
-    tick_duration_s: float = 0.0
-    last_tick_at: float | None = None
-    started_at: float = 0.0
-    trackers: dict[str, ProbeTracker[Any]] = field(default_factory=dict)
-    tick_overruns_total: int = 0
-    loop_lag_s: float = 0.0  # how late the loop watchdog's latest wake-up was
-    loop_lag_max_s: float = 0.0
-    loop_stalls_total: int = 0
-
-
-class LoopWatchdog:
-    """Measures how late the event loop runs a timer, and reports stalls.
-
-    Everything kvguard serves (ticks, the proxy, /metrics) shares one loop: a probe or
-    a collector that blocks it stops them all, and ``asyncio.wait_for`` cannot time
-    out a call that never yields. The watchdog cannot stop such a call either; it
-    makes it visible: ``kvguard_event_loop_lag_seconds``,
-    ``kvguard_event_loop_stalls_total`` and one ``event_loop_stalled`` log event per
-    stall. It uses the loop's own clock (what is measured is the loop, not the
-    daemon's injected clock).
-    """
-
-    def __init__(
-        self, state: DaemonState, *, stall_s: float, period_s: float = LOOP_WATCH_PERIOD_S
-    ) -> None:
-        self.state = state
-        self.stall_s = stall_s
-        self.period_s = period_s
-
-    async def run(self) -> None:
-        """Watch until cancelled."""
-        loop = asyncio.get_running_loop()
-        state = self.state
-        while True:
-            due = loop.time() + self.period_s
-            await asyncio.sleep(self.period_s)
-            lag = max(0.0, loop.time() - due)
-            state.loop_lag_s = lag
-            state.loop_lag_max_s = max(state.loop_lag_max_s, lag)
-            if lag >= self.stall_s:
-                state.loop_stalls_total += 1
-                log.warning(
-                    "event_loop_stalled",
-                    stalled_s=round(lag, 3),
-                    threshold_s=self.stall_s,
-                    hint="a probe, collector or handler blocked the loop; see"
-                    " kvguard_probe_duration_seconds and kvguard_tick_duration_seconds",
-                )
-
-
-class Daemon:
+class Daemon(BudgetKeeping):
     """Runs the probes every tick and keeps the budget and reconciliation current.
 
     ``loop_stall_s``: a timer the event loop runs this late is reported as a stall
@@ -243,6 +81,12 @@ class Daemon:
         wall_clock: Callable[[], float] = time.time,
         dry_run: bool = False,
         loop_stall_s: float = DEFAULT_LOOP_STALL_S,
+        brain: Brain | None = None,
+        budget: BudgetReport | None = None,
+        proxy: AdmissionProxy | None = None,
+        actuators: Actuators | None = None,
+        supervisor: Supervisor | None = None,
+        webhooks: Webhooks | None = None,
     ) -> None:
         self.config = config
         self.dry_run = dry_run
@@ -256,15 +100,15 @@ class Daemon:
         # would otherwise creep up with fragmentation, like a leak).
         self.trim_heap: Callable[[], bool] = trim_heap
         self._heap_trimmed_at = clock()
-        self.brain = Brain(config, dry_run=dry_run)
+        # The collaborators, built by kvguard.runtime.assembly.build_guard (a bare
+        # Daemon, as tests build it, has none of them): the admission proxy, the
+        # engine admin and fp8 switch, the supervised engine and the webhooks.
+        self.webhooks = webhooks
+        self.brain = brain or Brain(config, dry_run=dry_run, on_event=self.notify)
         self.mitigations = self.brain.mitigations
-        self.proxy: AdmissionProxy | None = None  # set by the server when [proxy] is enabled
-        # Set by `kvguard run` (kvguard.runtime.wiring): engine admin, the fp8 switch,
-        # the supervised engine and the webhooks.
-        self.actuators: Actuators | None = None
-        self.supervisor: Supervisor | None = None
-        self.webhooks: Webhooks | None = None
-        self.brain.on_event = self.notify
+        self.proxy = proxy
+        self.actuators = actuators
+        self.supervisor = supervisor
         self.probes = probes or Probes.from_config(config)
         self.state = DaemonState(started_at=clock())
         self.state.trackers = {name: ProbeTracker(p) for name, p in self.probes.all().items()}
@@ -277,102 +121,65 @@ class Daemon:
         self._engine_cache: dict[str, object] | None = None
         self._nvml_total: int | None = None
         self._closing: list[asyncio.Task[None]] = []
-        self.refresh_budget()
-
-    # ------------------------------------------------------------------ budget
-    def refresh_budget(self, nvml_total: int | None = None) -> None:
-        """(Re)compute the budget from the config, with NVML's total when no override."""
-        model, gpu = self.config.model, self.config.gpu
-        if model.config is None:
-            self.state.budget = None
-            return
-        memory = gpu.memory_bytes or nvml_total
-        if self.state.budget is not None and memory == self._budget_memory:
-            return
-        self.state.budget = budget_for(self.config, memory, self._engine_kv_dtype)
-        self._budget_memory = memory
-        assert self.state.budget is not None  # noqa: S101 - model.config is set
-        log.info(
-            "budget_computed",
-            model=model.config,
-            gpu_memory_bytes=self.state.budget.budget.gpu_memory_bytes,
-            kv_capacity_tokens=self.state.budget.budget.kv_capacity_tokens,
-            kv_cache_dtype=self.state.budget.budget.kv_cache_dtype,
-            fits=self.state.budget.budget.fits,
-        )
-
-    def _follow_engine_kv_dtype(self, engine: EngineStats) -> None:
-        """Budget with the engine's 8-bit KV dtype while ``[model]`` names a wider one.
-
-        After an fp8 switch (kvguard's, or an operator's restart with
-        ``--kv-cache-dtype fp8``) the engine holds twice the tokens the configured
-        dtype gives: without this, the budget and its reconciliation report a 2x
-        mismatch for as long as the switch lasts. Back to a wider dtype, back to the
-        configured one. An engine that does not say its dtype changes nothing.
-        """
-        reported = (engine.cache_dtype or "").strip().lower()
-        if not reported:
-            return
-        configured = self.config.model.kv_cache_dtype.strip().lower()
-        # "auto" (the model's dtype: what a revert restarts with) or any wider one: back
-        # to the configured dtype.
-        eight_bit = DTYPE_BYTES.get(reported) == 1
-        follow = reported if eight_bit and DTYPE_BYTES.get(configured) != 1 else None
-        if follow == self._engine_kv_dtype:
-            return
-        if self.config.model.config is None:
-            self._engine_kv_dtype = follow
-            return
-        try:  # computed first: a failure keeps the budget there is
-            budget = budget_for(self.config, self._budget_memory, follow)
-        except KvguardError as exc:
-            self._budget_failed(exc)
-            return
-        self._engine_kv_dtype = follow
-        self.state.budget = budget
-        self._reported_mismatch = None
-        log.info(
-            "budget_follows_engine_kv_dtype",
-            engine_kv_cache_dtype=reported,
-            configured_kv_cache_dtype=configured,
-            budget_kv_cache_dtype=follow or configured,
-        )
+        if budget is not None:  # computed by the assembly (the proxy needed it first)
+            self._adopt_budget(budget, config.gpu.memory_bytes)
+        else:
+            self.refresh_budget()
 
     # ------------------------------------------------------------------ one tick
     async def tick(self) -> Snapshot:
-        """Run every probe once (concurrently, each with its timeout) and publish a snapshot."""
+        """One tick: observe, keep the budget, decide and act, record; returns the snapshot."""
         started = self.clock()
+        snapshot = await self._observe()
+        self._keep_budget(snapshot)
+        self._decide_and_act(snapshot)
+        self._record(snapshot, started)
+        return snapshot
+
+    async def _observe(self) -> Snapshot:
+        """Run every probe once (concurrently, each with its timeout) into one snapshot."""
         host = self.probes.host
-        if self.supervisor is not None and isinstance(host, HostProbe):
+        if self.supervisor is not None and host is not None:
             host.follow(self.supervisor.pid)  # the engine kvguard started (it may restart)
         nvml = self.probes.nvml
         # Opt-in ([gpu] follow_engine): NVML reports PIDs of the host's namespace, which
         # in a container match nothing, so following by PID there would watch no GPU.
         follow = self.supervisor is not None and self.config.gpu.follow_engine
-        if follow and self.supervisor is not None and isinstance(nvml, NvmlProbe):
+        if follow and self.supervisor is not None and nvml is not None:
             nvml.follow(self.supervisor.pid)
         trackers = self.state.trackers
         await asyncio.gather(*(self._sample(name, t) for name, t in trackers.items()))
         now = self.clock()
-        snapshot = Snapshot(
+        return Snapshot(
             taken_at=now,
             gpus=trackers["nvml"].value if "nvml" in trackers else None,
             host=trackers["host"].value if "host" in trackers else None,
             engine=self._engine_view(trackers["engine"]),
             sources={name: t.reading(now) for name, t in trackers.items()},
         )
+
+    def _keep_budget(self, snapshot: Snapshot) -> None:
+        """The budget on the GPUs' real total, reconciled with what the engine reports."""
         gpus = snapshot.gpus
         if gpus:
             self._nvml_total = min(g.total_bytes for g in gpus)
             if self.config.gpu.memory_bytes is None:
                 self._refresh_budget_safely(self._nvml_total)
+        trackers = self.state.trackers
         fresh = trackers["engine"].ok if "engine" in trackers else False
         self._reconcile(snapshot.engine if fresh else None)
+
+    def _decide_and_act(self, snapshot: Snapshot) -> None:
+        """The decision step: forecast, pattern, ladder; its plan put in force (live mode)."""
         actuators = self.actuators
         if actuators is not None:
-            actuators.set_kind(getattr(self.probes.engine, "kind", None))
+            actuators.set_kind(self.probes.engine.kind)
             self.brain.unavailable = actuators.unavailable()
         self.brain.step(snapshot, self.wall_clock())
+
+    def _record(self, snapshot: Snapshot, started: float) -> None:
+        """Publish the tick for the exporter and /status; report a tick that overran."""
+        now = snapshot.taken_at
         state = self.state
         state.snapshot = snapshot
         state.ticks_total += 1
@@ -387,10 +194,9 @@ class Daemon:
                 "tick_overran",
                 duration_s=round(state.tick_duration_s, 3),
                 budget_s=budget_s,
-                probes={n: round(t.duration_s, 3) for n, t in trackers.items()},
+                probes={n: round(t.duration_s, 3) for n, t in state.trackers.items()},
             )
         self._overrunning = overran
-        return snapshot
 
     async def _sample(self, name: str, tracker: ProbeTracker[Any]) -> None:
         started = self.clock()
@@ -401,7 +207,7 @@ class Daemon:
         except Exception as exc:  # noqa: BLE001 - any probe bug must not stop the loop
             if not isinstance(exc, ProbeError):
                 self._failed(name, tracker, f"unexpected {type(exc).__name__}: {exc}")
-            elif getattr(tracker.probe, "available", True) is False:
+            elif not tracker.probe.available:
                 # A source that is not there (no NVIDIA driver) is not failing: the
                 # probe said so once; counting it every tick would only page people.
                 tracker.ok, tracker.error = False, str(exc)
@@ -432,54 +238,6 @@ class Daemon:
         if tracker.value is None:
             return None
         return tracker.value if tracker.ok else replace(tracker.value, up=False)
-
-    def _refresh_budget_safely(self, nvml_total: int | None) -> None:
-        try:
-            self.refresh_budget(nvml_total)
-        except KvguardError as exc:  # keep the previous budget; say why once
-            self._budget_failed(exc)
-
-    def _budget_failed(self, exc: KvguardError) -> None:
-        """Log a budget that could not be computed, once per distinct reason."""
-        if self.state.budget_error != str(exc):
-            log.warning("budget_failed", error=str(exc))
-        self.state.budget_error = str(exc)
-
-    def _reconcile(self, engine: EngineStats | None) -> None:
-        if engine is not None:
-            self._notice_cache_change(engine)
-            self._follow_engine_kv_dtype(engine)
-        budget = self.state.budget
-        if budget is None or engine is None or engine.kv_capacity_tokens is None:
-            return
-        rec = Reconciliation(budget.budget.kv_capacity_tokens, engine.kv_capacity_tokens)
-        self.state.reconciliation = rec
-        ratio = rec.difference_ratio
-        mismatch = ratio is not None and abs(ratio) > RECONCILIATION_TOLERANCE
-        if mismatch and self._reported_mismatch != rec.reported_tokens:
-            log.warning(
-                "budget_reconciliation_mismatch",
-                predicted_kv_capacity_tokens=rec.predicted_tokens,
-                reported_kv_capacity_tokens=rec.reported_tokens,
-                difference_ratio=round(ratio or 0.0, 4),
-            )
-            self._reported_mismatch = rec.reported_tokens
-
-    def _notice_cache_change(self, engine: EngineStats) -> None:
-        """Log when the engine's KV cache changes shape: it restarted with other settings."""
-        cache: dict[str, object] = {
-            "kv_capacity_tokens": engine.kv_capacity_tokens,
-            "block_size": engine.block_size,
-            "cache_dtype": engine.cache_dtype,
-        }
-        if all(value is None for value in cache.values()):
-            return  # this engine does not say; nothing to compare
-        before = self._engine_cache
-        self._engine_cache = cache
-        if before is not None and before != cache:
-            # Before the reconciliation line: an operator reads why the numbers moved.
-            log.warning("engine_cache_changed", before=before, after=cache)
-            self.notify("engine_cache_changed", {"before": before, "after": cache})
 
     def notify(self, event: str, fields: dict[str, Any]) -> None:
         """Send an event to the webhooks, if any (never blocks, never raises)."""
@@ -626,3 +384,40 @@ class Daemon:
         for result in results:  # closing one must not stop the others
             if isinstance(result, Exception):
                 log.warning("probe_close_failed", error=str(result))
+
+    # ---- control (called by the HTTP API)
+    def switch_in_progress(self) -> str | None:
+        """Why the mode must not change now (the fp8 switch is under way), or None."""
+        actuators = self.actuators
+        if self.mitigations.draining or (actuators is not None and actuators.switch_busy):
+            return (
+                "the fp8 KV switch is draining or restarting the engine; retry when it is done"
+                " (/status -> actions.reconfigure.busy)"
+            )
+        return None
+
+    def set_dry_run(self, dry_run: bool, reason: str) -> ControlOutcome:
+        """Switch to dry-run or live (``/control/dry-run|live``), for ``reason``.
+
+        Refused (nothing changes) while the fp8 switch is under way:
+        :meth:`switch_in_progress` says why. Requests the proxy holds for room are
+        re-checked against what is in force now.
+        """
+        refused = self.switch_in_progress()
+        if refused is not None:
+            return ControlOutcome(changed=False, refused=refused)
+        fp8_on = self.actuators is not None and self.actuators.kv_fp8
+        changed = self.brain.set_dry_run(dry_run, reason, now=self.clock(), fp8_on=fp8_on)
+        self.dry_run = dry_run
+        self._recheck_held_requests()
+        return ControlOutcome(changed=changed)
+
+    def release(self, reason: str) -> ControlOutcome:
+        """Lift every mitigation in force now (``/control/release``), for ``reason``."""
+        released = tuple(self.brain.release(reason))
+        self._recheck_held_requests()
+        return ControlOutcome(changed=bool(released), released=released)
+
+    def _recheck_held_requests(self) -> None:
+        if self.proxy is not None:
+            self.proxy.wake()  # requests held for room re-check against what is in force

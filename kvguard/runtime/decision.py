@@ -7,7 +7,9 @@ and the policy's :class:`~kvguard.core.policy.GuardState`, runs the pure core
 50 decisions with their reasons, a count per action and mode, and one structured
 log event per level change and per action. Live (the default), each plan is put in
 force through :class:`~kvguard.actuators.mitigations.Mitigations`; with dry-run it is
-computed, exported, logged and shown, and nothing is blocked or changed.
+computed, exported, logged and shown, and nothing is blocked or changed. An
+operator's overrides (``/control/*``: :meth:`Brain.set_dry_run`, :meth:`Brain.release`)
+change the mode and the ladder's memory here, and nowhere else.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Literal
 
 import structlog
 
-from kvguard.actuators.mitigations import Mitigations, Outcome
+from kvguard.actuators.mitigations import ASYNC_ACTIONS, Mitigations, Outcome
 from kvguard.config.settings import Config
 from kvguard.core.forecast import Forecast, forecast
 from kvguard.core.pattern import PatternReading, PatternThresholds, classify
@@ -39,6 +41,9 @@ log = structlog.get_logger("kvguard.brain")
 Mode = Literal["dry_run", "applied", "started", "not_applied"]
 DECISIONS_KEPT = 50
 RETRY_AFTER_MAX_S = 60
+# The mitigations an operator's release lifts from the ladder's memory too, so /status
+# does not show them as active and the ladder re-applies them if pressure persists.
+RELEASED_KINDS = frozenset({"shed", "tighten_window"})
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,19 @@ class DecisionRecord:
         }
 
 
+@dataclass(frozen=True)
+class ControlOutcome:
+    """What an operator's override (``/control/*``) did.
+
+    ``changed``: whether anything changed; ``released``: the mitigations a release
+    lifted; ``refused``: why nothing was done (the mode cannot change now), else None.
+    """
+
+    changed: bool
+    released: tuple[str, ...] = ()
+    refused: str | None = None
+
+
 def action_dict(action: Action) -> dict[str, Any]:
     """An action's fields, without the ones that do not apply."""
     fields = {
@@ -87,14 +105,19 @@ class Brain:
     """Runs forecast → pattern → policy on each snapshot and remembers what it decided."""
 
     def __init__(
-        self, config: Config, *, dry_run: bool = True, mitigations: Mitigations | None = None
+        self,
+        config: Config,
+        *,
+        dry_run: bool = True,
+        mitigations: Mitigations | None = None,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> None:
         self.config = config
         self.dry_run = dry_run
         self.mitigations = mitigations or Mitigations()
         self.mitigations.enforcing = not dry_run
         # When an operator switched to dry-run (/control/dry-run); None: live, or dry-run
-        # from the start. What the ladder records after it never ran (kvguard.api.server).
+        # from the start. What the ladder records after it never ran (set_dry_run).
         self.dry_run_since: float | None = None
         self.samples: deque[TickSample] = deque()
         self.guard = GuardState()
@@ -102,17 +125,16 @@ class Brain:
         self.pattern: PatternReading | None = None
         self.decision: Decision | None = None
         self.decisions: deque[DecisionRecord] = deque(maxlen=DECISIONS_KEPT)
-        # Every (action, mode) this brain can count, from 0: a series that appears at its
-        # first increment is one increase() cannot see.
-        modes = ("dry_run",) if dry_run else ("applied", "started", "not_applied")
-        self.counts: Counter[tuple[str, str]] = Counter(
-            {(kind, mode): 0 for kind in ACTION_KINDS for mode in modes}
-        )
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self._count_from_zero()
         # Actions the engine cannot take (kind -> why): the ladder falls through them.
         self.unavailable: dict[str, str] = {}
         self._said_unavailable: dict[str, str] = {}
         # Level changes and actions go here too (the webhooks), as (event, fields).
-        self.on_event: Callable[[str, dict[str, Any]], None] = lambda _event, _fields: None
+        # Where level changes and actions go out (the webhooks), if anywhere.
+        self.on_event: Callable[[str, dict[str, Any]], None] = on_event or (
+            lambda _event, _fields: None
+        )
 
     @property
     def mode(self) -> Mode:
@@ -163,6 +185,84 @@ class Brain:
         a switch that never happened (or forget one that did).
         """
         self.guard = replace(self.guard, fp8_on=fp8_on)
+
+    def active_actions(self) -> list[dict[str, Any]]:
+        """The actions the last decision left in force, JSON-ready (for /status)."""
+        decision = self.decision
+        if decision is None:
+            return []
+        return [action_dict(a) for a in decision.state.active.values()]
+
+    # ------------------------------------------------------------------ operator overrides
+    def set_dry_run(self, dry_run: bool, reason: str, *, now: float, fp8_on: bool) -> bool:
+        """Switch to dry-run or live (``/control/dry-run|live``); True when the mode changed.
+
+        ``now``: the monotonic time; ``fp8_on``: whether the engine's KV cache is 8-bit
+        now, as the fp8 switch knows it (False without one). The mitigations stop or
+        start being enforced; at a change the ladder forgets what never really ran
+        (:meth:`_forget_unreal_actions`). Every (action, mode) series of the new mode
+        is counted from 0.
+        """
+        changed = self.dry_run != dry_run
+        self.mitigations.set_enforcing(not dry_run, reason)
+        self.dry_run = dry_run
+        if changed:
+            self._forget_unreal_actions(fp8_on=fp8_on)
+            self.dry_run_since = now if dry_run else None
+        self._count_from_zero()
+        return changed
+
+    def release(self, reason: str) -> list[str]:
+        """Lift every mitigation in force now (``/control/release``); the ones lifted.
+
+        The ladder forgets the shed and the window cap too (:data:`RELEASED_KINDS`):
+        it re-applies them if pressure persists, rather than believing them in force.
+        """
+        released = self.mitigations.release_all(reason)
+        guard = self.guard
+        self.guard = replace(
+            guard, active={k: v for k, v in guard.active.items() if k not in RELEASED_KINDS}
+        )
+        return released
+
+    def _forget_unreal_actions(self, *, fp8_on: bool) -> None:
+        """Align the ladder's memory with what the actuators really did, at a mode switch.
+
+        In dry-run the ladder records ``kv_fp8`` (and marks fp8 on) and the other
+        asynchronous actions without any of them running; kept, they would make the
+        first live ticks revert a switch that never happened. The engine's KV cache is
+        ``fp8_on`` (what the fp8 switch says), and no asynchronous action is in force:
+        the ladder decides them afresh. Going live, the cooldowns and the restart
+        budget those unreal actions used since dry-run began are given back too: a
+        first real switch must not wait out the cooldown of one that never ran.
+        """
+        self.fp8_result(fp8_on=fp8_on)
+        guard = self.guard
+        active = {k: v for k, v in guard.active.items() if k not in ASYNC_ACTIONS}
+        if self.dry_run:
+            self.guard = replace(guard, active=active)
+            return
+        since = self.dry_run_since if self.dry_run_since is not None else -math.inf
+        self.guard = replace(
+            guard,
+            active=active,
+            last_action_at={
+                kind: at
+                for kind, at in guard.last_action_at.items()
+                if kind not in ASYNC_ACTIONS or at < since
+            },
+            restarts=tuple(at for at in guard.restarts if at < since),
+        )
+
+    def _count_from_zero(self) -> None:
+        """Every (action, mode) series of the current mode from 0 (counts kept).
+
+        A series that appears at its first increment is one increase() cannot see.
+        """
+        modes = ("dry_run",) if self.dry_run else ("applied", "started", "not_applied")
+        for kind in ACTION_KINDS:
+            for mode in modes:
+                self.counts[(kind, mode)] += 0
 
     def _refresh_pool(self, snapshot: Snapshot) -> None:
         """Tell the admission path the engine's usable pool (None until it is known).

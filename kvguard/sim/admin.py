@@ -2,7 +2,7 @@
 
 vLLM's dev-mode endpoints (pause, resume, abort, reset_prefix_cache), SGLang's
 (flush_cache, pause_generation, abort_request) and llama.cpp's (slots, props),
-with the semantics ../shared/ENGINES.md records for the real engines.
+with the semantics docs/engines.md records for the real engines.
 """
 
 from __future__ import annotations

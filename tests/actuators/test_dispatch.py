@@ -13,12 +13,11 @@ from aiohttp import web
 
 from kvguard.actuators.dispatch import Actuators
 from kvguard.actuators.engine_admin import EngineAdmin
-from kvguard.actuators.webhook import Webhooks, WebhookSettings
 from kvguard.config.settings import parse_config
 from kvguard.core.policy import Action
 from kvguard.probes.engine import EngineProbe
-from kvguard.runtime.daemon import Daemon, Probes
-from kvguard.runtime.wiring import attach_actuators
+from kvguard.runtime.assembly import build_guard
+from kvguard.runtime.probing import Probes
 
 
 async def _settle(actuators: Actuators) -> None:
@@ -263,10 +262,13 @@ async def test_the_daemon_sends_level_changes_and_actions_to_webhooks(sim_server
         },
         env={},
     )
-    daemon = Daemon(config, probes=Probes(EngineProbe(server.url), nvml=None, host=None))
-    daemon.webhooks = Webhooks(WebhookSettings(urls=config.webhook.urls))
-    await daemon.webhooks.start()
-    actuators = attach_actuators(daemon)
+    guard = build_guard(
+        config, probes=Probes(EngineProbe(server.url), nvml=None, host=None), serve_api=False
+    )
+    await guard.start()  # the webhooks
+    daemon, actuators = guard.daemon, guard.daemon.actuators
+    assert daemon.webhooks is not None
+    assert actuators is not None
     try:
         async with aiohttp.ClientSession() as http:
             request = asyncio.ensure_future(

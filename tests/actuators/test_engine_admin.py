@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from dataclasses import dataclass
 
 import aiohttp
@@ -14,6 +13,7 @@ from structlog.testing import capture_logs
 
 from kvguard.actuators.engine_admin import AdminResult, EngineAdmin
 from kvguard.errors import InvalidInputError
+from tests.helpers import free_port, until
 
 TOKEN = "s3cret-admin-token"
 
@@ -29,13 +29,6 @@ class RecordingSleep:
         self.delays.append(delay)
         if self._on_call is not None:
             self._on_call(len(self.delays))
-
-
-def free_port() -> int:
-    """A port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -140,16 +133,6 @@ async def complete(url: str, max_tokens: int = 8) -> tuple[int, dict]:
         ) as response,
     ):
         return response.status, await response.json()
-
-
-async def until(condition, timeout_s: float = 5.0) -> None:
-    """Wait (polling) until ``condition()`` holds; fail the test after ``timeout_s``."""
-
-    async def poll() -> None:
-        while not condition():  # noqa: ASYNC110 - the engine's state has no event to await
-            await asyncio.sleep(0.005)
-
-    await asyncio.wait_for(poll(), timeout_s)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import asyncio
 import gzip
 import json
 import math
-import socket
 
 import aiohttp
 import pytest
@@ -15,19 +14,15 @@ from yarl import URL
 
 from kvguard.actuators.accounting import Inflight, InflightRequest
 from kvguard.actuators.mitigations import Mitigations
-from kvguard.actuators.proxy import HELD_POOLS, AdmissionProxy, ProxySettings, _error
-from kvguard.cli.daemon import make_proxy
+from kvguard.actuators.proxy import HELD_POOLS, AdmissionProxy, ProxySettings
+from kvguard.actuators.proxy.answers import _error
 from kvguard.config.settings import parse_config
 from kvguard.core.policy import Action
 from kvguard.probes.engine import EngineProbe
-from kvguard.runtime.daemon import Daemon, Probes
-
-
-def free_port() -> int:
-    """A port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from kvguard.runtime.assembly import make_proxy
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
+from tests.helpers import free_port, until
 
 
 @pytest.fixture
@@ -38,10 +33,9 @@ async def serve():
     async def start(app: web.Application, *, cancel: bool = False) -> str:
         runner = web.AppRunner(app, handler_cancellation=cancel)
         await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
         runners.append(runner)
-        return f"http://127.0.0.1:{port}"
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
 
     yield start
     for runner in reversed(runners):
@@ -521,7 +515,7 @@ async def tokenizing(serve):
         payload = await request.json()
         arrived.set()
         proxy = holder["proxy"]
-        await _until(lambda: not proxy._counting)  # the background count is in
+        await until(lambda: not proxy._counting)  # the background count is in
         usage = {"prompt_tokens": 480, "completion_tokens": 3}
         if not payload.get("stream"):
             return web.json_response({"choices": [{"text": "x"}], "usage": usage})
@@ -801,15 +795,6 @@ async def test_projected_admission_keeps_an_oom_engine_alive(sim_server, proxy_t
     assert statuses == [200] * 30
 
 
-async def _until(condition, *, limit_s: float = 5.0) -> None:
-    """Poll a real server's state until ``condition()`` holds (fails after ``limit_s``)."""
-    for _ in range(int(limit_s / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
-
-
 async def test_shedding_admits_what_fits_and_sheds_only_the_excess(sim_server, proxy_to):
     """Shedding 'standard': a request that fits shed_ratio of the pool passes; the excess waits."""
     server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.005)
@@ -819,12 +804,12 @@ async def test_shedding_admits_what_fits_and_sheds_only_the_excess(sim_server, p
         first = asyncio.ensure_future(
             http.post(f"{proxy}/v1/completions", json=completion(400, 300))
         )
-        await _until(lambda: len(state.inflight) == 1)
+        await until(lambda: len(state.inflight) == 1)
         # 704 tokens projected in flight: another 704 does not fit 1,000; held, then shed.
         second = asyncio.ensure_future(
             http.post(f"{proxy}/v1/completions", json=completion(400, 300))
         )
-        await _until(lambda: state.waiting == 1)
+        await until(lambda: state.waiting == 1)
         async with await second as resp:
             assert resp.status == 503
             assert (await resp.json())["error"]["code"] == "kv_cache_pressure"
@@ -886,10 +871,10 @@ async def test_held_requests_are_bounded(sim_server, proxy_to):
             )
 
         first = post()
-        await _until(lambda: len(state.inflight) == 1)
+        await until(lambda: len(state.inflight) == 1)
         # Each holds 704 projected tokens: enough of them reach HELD_POOLS x 1,000.
         held = [post() for _ in range(math.ceil(HELD_POOLS * 1000 / 704))]
-        await _until(lambda: state.waiting == len(held))
+        await until(lambda: state.waiting == len(held))
         async with await post() as resp:
             assert resp.status == 503
             assert state.waiting == len(held)  # answered while the others were still held
@@ -909,11 +894,11 @@ async def test_a_request_held_when_a_drain_begins_is_refused_not_forwarded(sim_s
         first = asyncio.ensure_future(
             http.post(f"{proxy}/v1/completions", json=completion(400, 300))
         )
-        await _until(lambda: len(state.inflight) == 1)
+        await until(lambda: len(state.inflight) == 1)
         held = asyncio.ensure_future(
             http.post(f"{proxy}/v1/completions", json=completion(400, 300))
         )
-        await _until(lambda: state.waiting == 1)
+        await until(lambda: state.waiting == 1)
         mitigations.draining = True  # the fp8 switch begins while it waits
         async with await first as resp:
             assert resp.status == 200  # in flight before the drain: it finishes
@@ -1051,7 +1036,7 @@ async def test_make_proxy_uses_the_configured_path_rules(echo, serve):
     daemon = Daemon(
         config, probes=Probes(engine=EngineProbe(upstream, timeout_s=2.0), nvml=None, host=None)
     )
-    proxy = make_proxy(config, daemon)
+    proxy = make_proxy(config, daemon.mitigations, daemon.state.budget)
     front = await serve(proxy.app(), cancel=True)
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{front}/metrics") as resp:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import socket
 import sys
 import time
 from collections import Counter
@@ -31,17 +30,11 @@ from kvguard.actuators.reconfigure import (
     engine_environment,
 )
 from kvguard.actuators.supervisor import Supervisor
-from kvguard.cli.daemon import listen
 from kvguard.probes.engine import EngineProbe
+from kvguard.runtime.assembly import listen
+from tests.helpers import free_port, until
 
 POOL_TOKENS = 4096
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def sim_command(port: int) -> list[str]:
@@ -95,10 +88,9 @@ async def rig():
     runner = None
     await supervisor.start()
     try:
-        address = f"127.0.0.1:{free_port()}"
-        runner = await listen(proxy.app(), address, cancel=True)
+        runner = await listen(proxy.app(), "127.0.0.1:0", cancel=True)
         setup = Rig(supervisor, probe, proxy)
-        setup.proxy_url = f"http://{address}"
+        setup.proxy_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         yield setup
     finally:
         if runner is not None:
@@ -111,14 +103,6 @@ def _stream(max_tokens: int) -> dict:
     return {"prompt": "hello " * 20, "max_tokens": max_tokens, "stream": True}
 
 
-async def _until(condition, *, limit_s: float = 10.0) -> None:
-    for _ in range(int(limit_s / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition never held")
-
-
 async def test_switch_drains_restarts_with_fp8_and_reverts(rig: Rig):
     """In flight finishes; new requests get 503 meanwhile; the pool doubles, then comes back."""
     capacity = await rig.healthy()
@@ -127,9 +111,9 @@ async def test_switch_drains_restarts_with_fp8_and_reverts(rig: Rig):
         running = asyncio.ensure_future(
             http.post(f"{rig.proxy_url}/v1/completions", json=_stream(60))
         )
-        await _until(lambda: len(rig.proxy.inflight) == 1)
+        await until(lambda: len(rig.proxy.inflight) == 1)
         switch = asyncio.ensure_future(reconfigurer.switch(fp8=True))
-        await _until(lambda: rig.mitigations.draining)
+        await until(lambda: rig.mitigations.draining)
         async with http.post(
             f"{rig.proxy_url}/v1/completions", json=_stream(5), headers={"X-Priority": "critical"}
         ) as refused:
@@ -164,7 +148,7 @@ async def test_what_outlasts_the_drain_is_cancelled_with_a_clear_error(rig: Rig)
         running = asyncio.ensure_future(
             http.post(f"{rig.proxy_url}/v1/completions", json=_stream(1500))
         )
-        await _until(lambda: len(rig.proxy.inflight) == 1)
+        await until(lambda: len(rig.proxy.inflight) == 1)
         result = await reconfigurer.switch(fp8=True)
         async with await running as answer:
             body = await answer.text()
@@ -183,7 +167,7 @@ async def test_a_whole_answer_still_running_at_the_timeout_gets_the_drain_error(
     async with aiohttp.ClientSession() as http:
         body = {"prompt": "hello " * 20, "max_tokens": 1500}
         running = asyncio.ensure_future(http.post(f"{rig.proxy_url}/v1/completions", json=body))
-        await _until(lambda: len(rig.proxy.inflight) == 1)
+        await until(lambda: len(rig.proxy.inflight) == 1)
         result = await reconfigurer.switch(fp8=True)
         async with await running as answer:
             assert answer.status == 503
@@ -223,7 +207,7 @@ async def test_one_switch_at_a_time(rig: Rig):
     await rig.healthy()
     reconfigurer = rig.switch(drain_timeout_s=5, start_timeout_s=30)
     first = asyncio.ensure_future(reconfigurer.switch(fp8=True))
-    await _until(lambda: reconfigurer.busy)
+    await until(lambda: reconfigurer.busy)
     second = await reconfigurer.switch(fp8=True)
     assert second.result == "failed"
     assert "already running" in second.detail

@@ -9,8 +9,6 @@ import hashlib
 import hmac
 import json
 import math
-import socket
-from collections.abc import Callable
 
 import pytest
 from aiohttp import web
@@ -20,33 +18,17 @@ from structlog.testing import capture_logs
 from kvguard import __version__
 from kvguard.actuators.webhook import Webhooks, WebhookSettings
 from kvguard.errors import InvalidInputError
+from tests.helpers import free_port, until
 
 NOW = 1_700_000_000.5  # 2023-11-14T22:13:20.500Z
 NOW_RFC3339 = "2023-11-14T22:13:20.500Z"
 SECRET = "s3cret-Value-never-logged"
 
 
-def free_port() -> int:
-    """A port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def verified(secret: bytes, body: bytes, header: str) -> bool:
     """The receiver's check, as the module docstring shows it."""
     expected = "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
     return hmac.compare_digest(expected, header)
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float = 3.0) -> None:
-    """Wait until ``predicate()`` holds, polling; fail after ``timeout_s``."""
-
-    async def poll() -> None:
-        while not predicate():  # noqa: ASYNC110 - counters have no event to wait on
-            await asyncio.sleep(0.005)
-
-    await asyncio.wait_for(poll(), timeout_s)
 
 
 class Receiver:
@@ -119,11 +101,10 @@ async def receiver():
         # handler_cancellation: a client that gave up cancels the hanging handler.
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
         await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
         runners.append(runner)
         receivers.append(rec)
-        rec.url = f"http://127.0.0.1:{port}/hook"
+        rec.url = f"http://127.0.0.1:{runner.addresses[0][1]}/hook"
         return rec
 
     yield start
@@ -280,7 +261,7 @@ async def test_a_hanging_receiver_blocks_neither_notify_nor_other_urls(receiver,
 
     await hanging.received()
     # Delivered to the healthy URL well before the hanging one could time out (5 s).
-    await until(lambda: hooks.counters["sent"] == 1)
+    await until(lambda: hooks.counters["sent"] == 1, timeout_s=3.0)
     assert healthy.events()[0]["level"] == "critical"
     assert hooks.counters == {"sent": 1, "failed": 0, "dropped": 0}
     await hooks.close(flush_timeout_s=0.1)

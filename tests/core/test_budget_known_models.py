@@ -1,4 +1,4 @@
-"""The budget reproduces the published figures of real models (DESIGN.md section 4)."""
+"""The budget reproduces real models' published figures (docs/budget.md, "Worked examples")."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def test_escalation_needs_confirm_ticks():
     ],
 )
 def test_the_ladder_picks_the_patterns_first_action(pattern, kind, detail):
-    """At high, each pattern gets the first response of DESIGN.md section 6."""
+    """At high, each pattern gets its first response (docs/how-it-works.md, the ladder)."""
     decision = run([0.92] * 3, pattern=pattern)[-1]
     assert decision.level == "high"
     first = decision.plan[0]

@@ -19,14 +19,14 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.api.server import build_app
+from kvguard.api.app import build_app
 from kvguard.api.telemetry import daemon_registry
 from kvguard.config.settings import parse_config
 from kvguard.core.snapshot import EngineShare
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines import ADAPTERS, EngineScrape
-from kvguard.runtime.daemon import Daemon, Probes
-from kvguard.runtime.inprocess import free_port
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 DP2 = FIXTURES / "engines" / "vllm_sim_dp2.txt"
@@ -183,9 +183,8 @@ async def dp_engine() -> AsyncIterator[tuple[str, Replay]]:
     app.router.add_get("/health", health)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", replay
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}", replay
     await runner.cleanup()
 
 
@@ -272,8 +271,8 @@ async def test_status_lists_each_engine_under_the_engine_section(guard):
     await tick()
     runner = web.AppRunner(build_app(daemon), access_log=None)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
     try:
         async with (
             aiohttp.ClientSession() as http,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -13,6 +12,7 @@ from aiohttp import web
 from kvguard.errors import InvalidInputError, ProbeError
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines import ADAPTERS
+from tests.helpers import free_port, until
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 VLLM_TEXT = 'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
@@ -74,14 +74,6 @@ async def probes() -> AsyncIterator[Callable[..., EngineProbe]]:
         await probe.close()
 
 
-async def wait_until(check: Callable[[], bool], timeout: float = 3.0) -> None:
-    """Poll ``check`` until true; fail after ``timeout`` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
-
-
 def send(http: aiohttp.ClientSession, url: str, words: int, max_tokens: int) -> asyncio.Task:
     """Start one completion of ``words`` prompt tokens in the background."""
 
@@ -123,7 +115,7 @@ async def test_vllm_probe_tracks_the_sim_under_load(sim_server, probes):
     assert (idle.kv_capacity_blocks, idle.block_size, idle.kv_capacity_tokens) == (256, 16, 4096)
     async with aiohttp.ClientSession() as http:
         tasks = [send(http, server.url, 200, 600) for _ in range(6)]
-        await wait_until(busy(server, running=4, waiting=2))
+        await until(busy(server, running=4, waiting=2))
         await freeze(server)
         sched, engine_stats = server.engine.scheduler, server.engine.stats
         loaded = await probe.sample()
@@ -139,7 +131,7 @@ async def test_vllm_probe_tracks_the_sim_under_load(sim_server, probes):
             task.cancel()  # the clients leave; the sim aborts their requests
         await asyncio.gather(*tasks, return_exceptions=True)
         server.engine.resume()
-        await wait_until(lambda: not sched.has_work)
+        await until(lambda: not sched.has_work)
     drained = await probe.sample()
     assert (drained.requests_running, drained.requests_waiting, drained.kv_used_tokens) == (0, 0, 0)
     assert drained.requests_finished_total == 6  # all six ended (aborted)
@@ -153,7 +145,7 @@ async def test_sglang_probe_tracks_the_sim_under_load(sim_server, probes):
     probe = probes(server.url, kind="sglang")
     async with aiohttp.ClientSession() as http:
         tasks = [send(http, server.url, 150, 600) for _ in range(5)]
-        await wait_until(busy(server, running=3, waiting=2))
+        await until(busy(server, running=3, waiting=2))
         await freeze(server)
         sched = server.engine.scheduler
         stats = await probe.sample()
@@ -176,7 +168,7 @@ async def test_llamacpp_probe_counts_slots_of_the_sim(sim_server, probes):
     probe = probes(server.url, kind="llamacpp")
     async with aiohttp.ClientSession() as http:
         tasks = [send(http, server.url, 300, 600) for _ in range(6)]
-        await wait_until(busy(server, running=4, waiting=2))
+        await until(busy(server, running=4, waiting=2))
         await freeze(server)
         running = server.engine.scheduler.running
         expected_used = sum(seq.prompt_tokens + seq.generated for seq in running)
@@ -240,9 +232,7 @@ async def test_missing_health_endpoint_means_down(tiny_server, probes):
 
 async def test_unreachable_port_raises_probe_error(probes):
     """Nothing listening: ProbeError names the URL, no aiohttp error escapes."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     probe = probes(f"http://127.0.0.1:{port}", kind="vllm", timeout_s=1.0)
     with pytest.raises(ProbeError, match=f"127.0.0.1:{port}/metrics") as caught:
         await probe.sample()

@@ -24,8 +24,8 @@ from kvguard.core.series import tick_sample
 from kvguard.core.units import GiB, MiB
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.nvml import GpuSelector, NvmlProbe
-from kvguard.runtime.daemon import Daemon, Probes
-from kvguard.runtime.inprocess import free_port
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
 from kvguard.testing import FakeGpu, FakeNvml
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "engines"
@@ -243,9 +243,8 @@ async def dp_engine() -> AsyncIterator[str]:
     app.router.add_get("/health", health)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}"
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     await runner.cleanup()
 
 

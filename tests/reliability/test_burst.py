@@ -17,7 +17,6 @@ import contextlib
 import gc
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ from kvguard.actuators.proxy import HELD_POOLS, AdmissionProxy
 from kvguard.runtime.inprocess import start_guard
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.runner import PoolSpec, size_pool, start_sim_server
+from tests.helpers import until
 
 # Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
 pytestmark = pytest.mark.slow
@@ -109,16 +109,6 @@ async def drive(url: str, workers: int, seconds: float, proxy: AdmissionProxy) -
     return {"answers": answers, **peaks}
 
 
-async def settled(condition: Callable[[], bool], limit_s: float = 10.0) -> bool:
-    """Poll ``condition`` until it holds or ``limit_s`` passes (connections close async)."""
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
-
-
 def pooled_upstream(proxy: AdmissionProxy) -> int:
     """Idle keep-alive connections in the proxy's upstream pool (bounded at 100)."""
     connector = proxy._session.connector if proxy._session is not None else None
@@ -131,15 +121,15 @@ async def test_a_burst_of_ten_times_the_engines_concurrency_is_shed_fast_and_bou
     server = await start_sim_server(
         size_pool(POOL), time_model=TimeModel(step_fixed_s=0.004, per_token_s=0.00002)
     )
-    daemon, runner, url = await start_guard(
+    guard = await start_guard(
         server.url,
         poll={"interval_s": 0.25, "min_interval_s": 0.1, "timeout_s": 1.0},
         proxy={"shed_wait_s": SHED_WAIT_S},
     )
-    proxy = daemon.proxy
+    daemon, proxy, url = guard.daemon, guard.proxy, guard.proxy_url
     assert proxy is not None
-    stop = asyncio.Event()
-    ticking = asyncio.ensure_future(daemon.run(stop))
+    assert url is not None
+    guard.run_in_background()
     try:
         calm = await drive(url, NORMAL, CALM_S, proxy)
         assert calm["answers"]
@@ -188,21 +178,23 @@ async def test_a_burst_of_ten_times_the_engines_concurrency_is_shed_fast_and_bou
         # and memory and descriptors come back down.
         assert proxy.waiting == 0
         assert proxy._held_tokens == 0
-        assert await settled(lambda: len(proxy.inflight) == 0)
-        assert await settled(lambda: not server.engine.scheduler.has_work)
+        # Connections close asynchronously: each of these settles within seconds.
+        await until(lambda: len(proxy.inflight) == 0, interval_s=0.05)
+        await until(lambda: not server.engine.scheduler.has_work, interval_s=0.05)
         gc.collect()
         assert process.memory_info().rss - rss_before < RSS_GROWTH_LIMIT
-        assert await settled(
-            lambda: process.num_fds() - 2 * pooled_upstream(proxy) <= fds_before + 8
-        ), (process.num_fds(), pooled_upstream(proxy), fds_before)
+        await until(
+            lambda: process.num_fds() - 2 * pooled_upstream(proxy) <= fds_before + 8,
+            interval_s=0.05,
+            what=lambda: (
+                f"fds {process.num_fds()} ({pooled_upstream(proxy)} pooled), {fds_before} before"
+            ),
+        )
 
         # And a request after the burst is served as before.
         async with aiohttp.ClientSession() as http:
             after = await send(http, url, "critical", 0)
         assert after.status == 200
     finally:
-        stop.set()
-        await ticking
-        await runner.cleanup()
-        await daemon.close()
+        await guard.close()
         await server.stop()

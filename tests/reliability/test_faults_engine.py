@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -23,34 +22,28 @@ from structlog.testing import capture_logs
 
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
-from kvguard.api.server import build_app
+from kvguard.api.app import build_app
 from kvguard.api.telemetry import daemon_registry
 from kvguard.config.settings import parse_config
 from kvguard.core.units import GiB
 from kvguard.errors import ProbeError
 from kvguard.probes.engine import EngineProbe
-from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.runner import PoolSpec, SimServer, size_pool, start_sim_server
+from tests.helpers import free_port
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "engines"
-
-
-def free_port() -> int:
-    """A port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def serve(app: web.Application, runners: list[web.AppRunner]) -> str:
     """Serve ``app`` on a free loopback port; the caller cleans ``runners`` up."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     runners.append(runner)
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 async def sim_on(port: int, gpu_memory_bytes: int) -> SimServer:

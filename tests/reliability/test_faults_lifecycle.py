@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,35 +27,23 @@ from kvguard.actuators.engine_admin import EngineAdmin
 from kvguard.actuators.reconfigure import Reconfigurer, ReconfigureTimes
 from kvguard.actuators.state import EnginePauseRecord, StateFile, state_dir
 from kvguard.api.telemetry import daemon_registry
-from kvguard.cli.daemon import _shut_down
 from kvguard.config.settings import parse_config
 from kvguard.core.policy import Action
 from kvguard.core.snapshot import EngineStats
 from kvguard.errors import InvalidInputError
 from kvguard.probes.engine import EngineProbe
-from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.assembly import Guard
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
+from tests.helpers import free_port, until
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
-
-
-def free_port() -> int:
-    """A port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def is_paused(url: str) -> bool:
     """The simulated vLLM's own answer to GET /is_paused."""
     async with aiohttp.ClientSession() as http, http.get(f"{url}/is_paused") as resp:
         return bool((await resp.json())["is_paused"])
-
-
-async def until(check, timeout: float = 10.0) -> None:
-    """Await ``check()`` every 20 ms until true; fail after ``timeout`` seconds."""
-    async with asyncio.timeout(timeout):
-        while not await check():  # noqa: ASYNC110 - polls another server's state
-            await asyncio.sleep(0.02)
 
 
 async def read_events(proc: asyncio.subprocess.Process, until: str, timeout: float = 20) -> list:
@@ -146,9 +133,10 @@ def test_two_kvguards_writing_the_state_file_at_once_lose_no_entry(tmp_path):
 PAUSER = textwrap.dedent(
     """
     import asyncio, sys
-    from kvguard.runtime.wiring import attach_actuators
+    from kvguard.runtime.assembly import build_guard
     from kvguard.config.settings import parse_config
-    from kvguard.runtime.daemon import Daemon, Probes
+    from kvguard.runtime.daemon import Daemon
+    from kvguard.runtime.probing import Probes
     from kvguard.core.policy import Action
     from kvguard.probes.engine import EngineProbe
     from kvguard.api.telemetry import configure_logging
@@ -157,8 +145,8 @@ PAUSER = textwrap.dedent(
         configure_logging("warning", "json")  # stderr: stdout says "paused" only
         config = parse_config({"engine": {"url": url, "shed_by_pause": True}}, env={})
         probes = Probes(engine=EngineProbe(url), nvml=None, host=None)
-        daemon = Daemon(config, probes=probes)
-        actuators = attach_actuators(daemon)  # the state file from $KVGUARD_STATE_DIR
+        daemon = build_guard(config, probes=probes, serve_api=False).daemon
+        actuators = daemon.actuators  # the state file from $KVGUARD_STATE_DIR
         await daemon.tick()  # learns the engine's kind: the admin client is built
         assert actuators.launch(Action("shed", "critical", priority="standard"))
         while not actuators.paused or not all(t.done() for t in actuators._tasks.values()):
@@ -275,12 +263,12 @@ class StuckRestarter:
 async def test_sigterm_during_a_drain_resumes_the_engine_before_exit(sim_server, tmp_path):
     """The fp8 switch has paused the engine to drain it when kvguard is told to stop.
 
-    The shutdown path SIGTERM takes (kvguard.cli.daemon._shut_down) resumes the engine first.
+    The shutdown path SIGTERM takes (kvguard.runtime.assembly.Guard.close) resumes the engine
+    first.
     """
     server = await sim_server(kv_capacity_tokens=4096, max_model_len=2048, per_token_s=0.01)
     url = server.url
     config = parse_config({"engine": {"url": url}}, env={})
-    daemon = Daemon(config, probes=Probes(engine=EngineProbe(url), nvml=None, host=None))
     state = StateFile(tmp_path / "state.json")
     record = EnginePauseRecord(state, url)
     restarter = StuckRestarter()
@@ -295,7 +283,8 @@ async def test_sigterm_during_a_drain_resumes_the_engine_before_exit(sim_server,
         return admin, Reconfigurer(restarter, drain, engine_stats=stats, times=times)
 
     actuators = Actuators(build, on_fp8=lambda _on: None, pause_record=record)
-    daemon.actuators = actuators
+    probes = Probes(engine=EngineProbe(url), nvml=None, host=None)
+    daemon = Daemon(config, probes=probes, actuators=actuators)
     # A long request in flight: the drain waits for it with the engine paused.
     async with aiohttp.ClientSession() as http:
         body = {"prompt": "word " * 50, "max_tokens": 1500, "stream": True}
@@ -310,7 +299,7 @@ async def test_sigterm_during_a_drain_resumes_the_engine_before_exit(sim_server,
             assert not restarter.called.is_set()  # still draining
 
             async with asyncio.timeout(15):
-                await _shut_down(daemon, [], None)  # what `kvguard run` does on SIGTERM
+                await Guard(daemon).close()  # what `kvguard run` does on SIGTERM
 
     assert not await is_paused(url)
     assert not record.paused
@@ -349,6 +338,10 @@ class BlockingProbe:
     """A probe with a synchronous call inside: it blocks the whole event loop."""
 
     name = "host"
+    available = True
+
+    def follow(self, pid: int | None) -> None:
+        return None
 
     def __init__(self, block_s: float) -> None:
         self.block_s = block_s

@@ -19,7 +19,8 @@ from kvguard.config.settings import parse_config
 from kvguard.core.units import GiB
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.nvml import GpuSelector, NvmlProbe
-from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
 from kvguard.testing import FakeGpu, FakeNvml
 
 

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import math
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,13 +28,14 @@ from hypothesis import strategies as st
 
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import MAX_TOKENS_LIMIT, AdmissionProxy, ProxySettings
-from kvguard.api.server import build_app
+from kvguard.api.app import build_app
 from kvguard.config.settings import _SCHEMA, CONTROL_TOKEN_ENV, load_config, parse_config
 from kvguard.core.snapshot import EngineStats
 from kvguard.errors import ConfigError, ProbeError
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines import ADAPTERS, EngineScrape
-from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "engines"
 EXAMPLE = Path(__file__).parents[2] / "systemd" / "kvguard.toml"
@@ -266,12 +266,6 @@ def test_config_files_give_a_config_or_errors_naming_fields(config_dir, document
 
 
 # ---------------------------------------------------------------------- served: proxy, API
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Served:
     """An event loop with servers on 127.0.0.1, driven from a synchronous hypothesis test."""
 
@@ -290,10 +284,9 @@ class Served:
         async def start() -> str:
             runner = web.AppRunner(app, handler_cancellation=True)
             await runner.setup()
-            port = _free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
             self.runners.append(runner)
-            return f"http://127.0.0.1:{port}"
+            return f"http://127.0.0.1:{runner.addresses[0][1]}"
 
         return str(self.run(start()))
 

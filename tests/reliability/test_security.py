@@ -12,7 +12,6 @@ import contextlib
 import io
 import json
 import shutil
-import socket
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -30,26 +29,21 @@ from kvguard.actuators.engine_admin import EngineAdmin
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.actuators.reconfigure import CommandRestarter, Reconfigurer
-from kvguard.api.server import DENIED_LOG_CALLERS, ControlLog, build_app
+from kvguard.api.app import build_app
+from kvguard.api.control import DENIED_LOG_CALLERS, ControlLog
 from kvguard.api.telemetry import configure_logging, daemon_registry
 from kvguard.config.settings import CONTROL_TOKEN_ENV, Config, parse_config
 from kvguard.core.policy import Action, GuardState
 from kvguard.errors import ConfigError
 from kvguard.probes.engine import EngineProbe
-from kvguard.runtime.daemon import Daemon, Probes
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
 
 TOKEN = "ctl-0123456789abcdef-planted"  # planted: must never appear in logs or /status
 UNIT = Path(__file__).parents[2] / "systemd" / "kvguard.service"
 # `systemd-analyze security` exposure (0 = locked down, 10 = open). Recorded in
 # docs/security.md; a change that loosens the unit past this fails the test.
 MAX_EXPOSURE = 2.5
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -60,10 +54,9 @@ async def serve() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
     async def start(app: web.Application) -> str:
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
         runners.append(runner)
-        return f"http://127.0.0.1:{port}"
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
 
     yield start
     for runner in reversed(runners):

@@ -13,7 +13,6 @@ import itertools
 import json
 import math
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from kvguard.errors import InvalidInputError
 from kvguard.sim.loadgen import LoadConfig, check_url, run_load
 from kvguard.sim.loadgen_report import LoadReport, Percentiles, preemptions_in
 from kvguard.sim.traffic import PriorityShares, TrafficParams, generate
+from tests.helpers import free_port
 
 # A pool that never preempts at these sizes, and a fast clock.
 ROOMY = {"kv_capacity_tokens": 65_536, "max_model_len": 4096, "max_num_seqs": 64}
@@ -55,13 +55,6 @@ def loadgen_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvguard")
     register(parser.add_subparsers(dest="command"))
     return parser
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # ---------------------------------------------------------------- against the engine

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -13,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvguard.config.model_files import load_model_files
 from kvguard.core.budget import BudgetInputs, plan_budget
 from kvguard.core.units import GiB
+from tests.helpers import until
 
 VLLM_TYPES = {
     "vllm:kv_cache_usage_perc": "gauge",
@@ -44,14 +44,6 @@ async def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]
 def value(samples, name: str, **labels: str) -> float:
     """Sum of a sample's values over label sets that include ``labels``."""
     return sum(v for key, v in samples.get(name, {}).items() if set(labels.items()) <= set(key))
-
-
-async def wait_for(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    """Poll ``check`` until true; fail after ``timeout`` seconds of real time."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 async def complete(
@@ -92,7 +84,7 @@ async def test_usage_rises_with_load_and_falls_when_requests_finish(sim_engine):
             peak = max(peak, value(await scrape(url), "vllm:kv_cache_usage_perc"))
             return peak > 0.1
 
-        await wait_for(rising)
+        await until(rising)
         results = await burst
     assert all(status == 200 for status, _ in results)
     after = await scrape(url)
@@ -182,7 +174,7 @@ async def test_pause_wait_refuses_new_requests_and_drains(sim_server):
     url = server.url
     async with aiohttp.ClientSession() as http:
         inflight = asyncio.ensure_future(complete(http, url, 100, 100))
-        await wait_for(lambda: _running(url))
+        await until(lambda: _running(url))
         async with http.post(f"{url}/pause", params={"mode": "wait"}) as resp:
             assert resp.status == 200
         async with http.get(f"{url}/is_paused") as resp:
@@ -203,7 +195,7 @@ async def test_pause_abort_drops_in_flight_requests(sim_engine):
     url = await sim_engine(kv_capacity_tokens=8192, per_token_s=0.0005)
     async with aiohttp.ClientSession() as http:
         inflight = asyncio.ensure_future(complete(http, url, 100, 1000))
-        await wait_for(lambda: _running(url))
+        await until(lambda: _running(url))
         async with http.post(f"{url}/pause", params={"mode": "abort"}):
             pass
         _, body = await inflight
@@ -227,7 +219,7 @@ async def test_client_disconnect_aborts_and_frees_blocks(sim_engine):
         samples = await scrape(url)
         return value(samples, "vllm:request_success_total", finished_reason="abort") == 1
 
-    await wait_for(freed)
+    await until(freed)
     assert value(await scrape(url), "vllm:kv_cache_usage_perc") == 0.0
 
 
@@ -288,7 +280,7 @@ async def test_reset_prefix_cache_fails_while_blocks_are_held(sim_engine):
     url = await sim_engine(kv_capacity_tokens=8192, per_token_s=0.0005)
     async with aiohttp.ClientSession() as http:
         inflight = asyncio.ensure_future(complete(http, url, 100, 300))
-        await wait_for(lambda: _running(url))
+        await until(lambda: _running(url))
         async with http.post(f"{url}/reset_prefix_cache") as resp:
             assert (await resp.json()) == {"success": False}
         params = {"reset_running_requests": "true"}
@@ -367,7 +359,7 @@ async def test_llamacpp_slots_and_props(sim_engine):
                 slots = await resp.json()
             return any(s["is_processing"] and s["next_token"][0]["n_decoded"] > 0 for s in slots)
 
-        await wait_for(busy)
+        await until(busy)
         async with http.get(f"{url}/slots") as resp:
             slot = (await resp.json())[0]
         assert slot["n_prompt_tokens"] == 300
@@ -387,7 +379,7 @@ async def test_sglang_flush_cache_refused_while_requests_run(sim_engine):
         async def running() -> bool:
             return value(await scrape(url), "sglang:num_running_reqs") > 0
 
-        await wait_for(running)
+        await until(running)
         async with http.post(f"{url}/flush_cache") as resp:
             assert resp.status == 400
         await inflight

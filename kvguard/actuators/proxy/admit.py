@@ -1,0 +1,339 @@
+"""The admission of generation requests: shed, refuse, clamp, hold or let through.
+
+:class:`Admission` applies the mitigations in force to one generation request: it
+refuses everything while the engine is drained for a restart, sheds the classes
+the policy sheds (holding each for room first, within a bound), refuses or clamps
+requests over the window caps, and with ``admission = "projected"`` waits until the
+request fits the engine's pool. The arithmetic of each rule is
+:mod:`kvguard.core.admission` (pure, tested with plain numbers); what is here is the
+glue around it: reading the body, awaiting counts and room, the counters, the log
+and the 4xx/5xx answers. Kept apart from forwarding because it decides and waits,
+but never talks to the engine except through :class:`PromptCounter`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable, Mapping
+
+import structlog
+from aiohttp import web
+
+from kvguard.actuators.accounting import Inflight, InflightRequest
+from kvguard.actuators.mitigations import Mitigations, request_priority
+from kvguard.actuators.proxy.answers import _error
+from kvguard.actuators.proxy.counting import PromptCounter, _answer_has_usage
+from kvguard.actuators.proxy.screen import (
+    _json_or_error,
+    _malformed_generation,
+    _requested_max_tokens,
+)
+from kvguard.actuators.proxy.settings import ProxyCounters, ProxySettings
+from kvguard.core import admission as rules
+
+log = structlog.get_logger("kvguard.proxy")
+
+
+class Admission:
+    """The admission of generation requests, and the requests waiting for room.
+
+    ``waiting`` counts the requests waiting for room in the pool (held or projected
+    admission); ``held_tokens`` sums the projections of shed-class requests held.
+    """
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        mitigations: Mitigations,
+        inflight: Inflight,
+        counters: ProxyCounters,
+        counter: PromptCounter,
+    ) -> None:
+        self.settings = settings
+        self.mitigations = mitigations
+        self._inflight = inflight
+        self._counters = counters
+        self._counter = counter
+        # Set (and replaced) whenever a request finishes: waiters re-check for room.
+        # No Condition: on 3.11, wait_for() timing out a Condition.wait can leave the
+        # lock released under `async with`, which then raises.
+        self._room_freed = asyncio.Event()
+        self.held_tokens = 0  # projections of shed-class requests held for room
+        self.waiting = 0
+
+    def wake(self) -> None:
+        """Make requests waiting for room re-check now (one ended, or the mitigations changed)."""
+        self._room_freed.set()
+        self._room_freed = asyncio.Event()
+
+    def priority_of(self, headers: Mapping[str, str]) -> str:
+        """The request's class: from the API-key map, else the header, else the default."""
+        settings = self.settings
+        return request_priority(
+            headers,
+            settings.priority_header,
+            settings.api_key_priorities,
+            settings.default_priority,
+            trust_header=settings.trust_priority_header,
+        )
+
+    async def admit(
+        self, request: web.Request, body: bytes, request_id: str
+    ) -> web.StreamResponse | tuple[bytes, InflightRequest | None]:
+        """Decide on one generation request: an answer in the engine's stead, or go on.
+
+        Going on is the body to forward (``max_tokens`` clamped when a cap says so)
+        and the request to account while it runs (None for an empty body).
+        """
+        priority = self.priority_of(request.headers)
+        if self.draining():
+            return self.refuse_draining(priority)
+        shed_class = self.mitigations.sheds(priority)
+        # Cheap, before anything is parsed, so a flood of shed requests stays cheap: no
+        # pool to measure against, or already HELD_POOLS pools' worth of requests held.
+        if shed_class and not self.may_hold():
+            return self.shed(priority, request_id)
+        payload = _json_or_error(body) if body else None
+        chat = request.path == "/v1/chat/completions"
+        malformed = _malformed_generation(payload, body, chat=chat)
+        if malformed is not None:
+            self._counters.rejected["invalid_body"] += 1
+            return _error(400, malformed, "invalid_request_error", code="invalid_body")
+        if not isinstance(payload, dict):
+            return body, None  # an empty body: nothing to project or change
+        prompt_cap, completion_cap = self.window_for(priority)
+        # The engine's exact count is waited for only when it decides something now (a
+        # window cap, a hold for room, projected admission). Otherwise the request goes
+        # on with an estimate, corrected when the engine's count comes (see below): the
+        # /tokenize round trip was most of the latency the proxy adds.
+        known = self._counter.known(payload, chat=chat)
+        decides = rules.needs_exact_count(
+            prompt_cap,
+            completion_cap,
+            shed_class=shed_class,
+            admission_enforced=self.admission_enforced(),
+        )
+        prompt = known.count
+        if not known.exact and decides:
+            prompt = await self._counter.exact(payload, known, chat=chat)
+            # What is in force now, not before the wait (up to TOKENIZE_TIMEOUT_S).
+            prompt_cap, completion_cap = self.window_for(priority)
+        key, max_tokens = _requested_max_tokens(payload, chat=chat)
+        window = rules.apply_window(
+            prompt, max_tokens, prompt_cap, completion_cap, self.settings.min_completion_tokens
+        )
+        if window.refusal == "prompt_over_window":
+            self._counters.rejected["prompt_over_window"] += 1
+            return _error(
+                400,
+                f"prompt of {prompt} tokens is over kvguard's current limit of {prompt_cap}"
+                " tokens (the KV cache is under pressure); shorten it or retry later",
+                "invalid_request_error",
+                code="kv_window_exceeded",
+            )
+        if window.refusal == "no_room_for_completion":
+            self._counters.rejected["no_room_for_completion"] += 1
+            return _error(
+                400,
+                f"prompt of {prompt} tokens leaves less than"
+                f" {self.settings.min_completion_tokens} tokens under kvguard's current"
+                f" limit of {completion_cap} tokens (the KV cache is under pressure);"
+                " shorten it or retry later",
+                "invalid_request_error",
+                code="kv_window_exceeded",
+            )
+        max_tokens = window.max_tokens
+        if window.clamped:
+            payload[key] = max_tokens
+            self._counters.clamped += 1
+            body = json.dumps(payload).encode()
+        tracked = InflightRequest(request_id, priority, prompt, max_tokens)
+        if not known.exact and not decides:
+            tracked.prompt_key = known.key
+            # While calm, a whole answer or a stream asked to end with `usage` brings the
+            # engine's own count at its end: no /tokenize (a second request to the
+            # engine's API server). Once pressure builds, what is in flight must be
+            # known while it runs: /tokenize alongside, the count in milliseconds.
+            if self.mitigations.level != "ok" or not _answer_has_usage(payload):
+                self._counter.count_later(tracked, payload, known.key, chat=chat)
+        if shed_class and not await self.hold_for_room(tracked):
+            return (
+                self.refuse_draining(priority)
+                if self.draining()
+                else self.shed(priority, request_id)
+            )
+        if not await self.make_room(tracked) and not self.draining():
+            self._counters.shed[(priority, "kv_pool_full")] += 1
+            # One line per shed request would flood the log in a burst: debug level;
+            # kvguard_requests_shed_total and the `decision` event tell the story.
+            log.debug(
+                "request_shed", request_id=request_id, priority=priority, reason="kv_pool_full"
+            )
+            return _error(
+                503,
+                "kvguard is holding new requests: the engine's KV pool is full with requests"
+                f" in flight; retry after {self.mitigations.retry_after_s} s",
+                "server_overloaded",
+                code="kv_cache_pressure",
+                headers={"Retry-After": str(self.mitigations.retry_after_s)},
+            )
+        if self.draining():
+            # A drain began while this one waited for a token count or for room: the
+            # engine is about to restart, so it must not be forwarded now.
+            return self.refuse_draining(priority)
+        return body, tracked
+
+    def window_for(self, priority: str) -> tuple[int | None, int | None]:
+        """The (prompt, completion) caps in force for ``priority`` now (none for critical)."""
+        return rules.caps_for(priority, self.mitigations.window)
+
+    def draining(self) -> bool:
+        """Whether every generation request is refused now: the engine is drained to restart."""
+        return self.mitigations.draining and self.mitigations.enforcing
+
+    def admission_enforced(self) -> bool:
+        """Whether projected admission checks each request against the pool now."""
+        mitigations = self.mitigations
+        return rules.admission_enforced(
+            self.settings.admission, enforcing=mitigations.enforcing, pool=mitigations.pool_tokens
+        )
+
+    def refuse_draining(self, priority: str) -> web.StreamResponse:
+        """The 503 for every class (critical too) while the engine is drained for a restart."""
+        self._counters.shed[(priority, "draining")] += 1
+        retry_after = self.mitigations.drain_retry_after_s
+        return _error(
+            503,
+            f"kvguard is restarting the engine to change its KV cache; retry after {retry_after} s",
+            "server_overloaded",
+            code="kv_cache_reconfigure",
+            headers={"Retry-After": str(retry_after)},
+        )
+
+    def shed(self, priority: str, request_id: str) -> web.StreamResponse:
+        """The 503 for a request of a class the policy sheds now."""
+        self._counters.shed[(priority, "kv_cache_pressure")] += 1
+        # One line per shed request would flood the log in a burst: debug level;
+        # kvguard_requests_shed_total and the `decision` event tell the story.
+        log.debug(
+            "request_shed", request_id=request_id, priority=priority, level=self.mitigations.level
+        )
+        return _error(
+            503,
+            f"kvguard is shedding {priority} traffic: the KV cache is under pressure"
+            f" ({self.mitigations.level}); retry after {self.mitigations.retry_after_s} s",
+            "server_overloaded",
+            code="kv_cache_pressure",
+            headers={"Retry-After": str(self.mitigations.retry_after_s)},
+        )
+
+    def own(self, tracked: InflightRequest) -> int:
+        """``tracked``'s projection in whole blocks (no ``max_tokens``: assume a long answer)."""
+        if tracked.max_tokens is None:
+            tracked.max_tokens = rules.UNKNOWN_MAX_TOKENS  # the engine picks; assume a long answer
+        return rules.whole_blocks(tracked.projected_tokens, self.mitigations.block_size)
+
+    def room_under(self, ratio: float, own: int) -> bool:
+        """Whether in-flight projections plus ``own`` tokens stay within ``ratio`` of the pool."""
+        mitigations = self.mitigations
+        pool = mitigations.pool_tokens
+        if pool is None:
+            return False  # no room to show; and no need to sum what is in flight
+        in_flight = self._inflight.projected_tokens(mitigations.block_size)
+        return rules.fits_pool(in_flight, own, pool, ratio)
+
+    def may_hold(self) -> bool:
+        """Whether a request of a shed class may be held for room rather than shed now."""
+        return rules.may_hold(
+            self.held_tokens, self.mitigations.pool_tokens, self.settings.shed_ratio
+        )
+
+    async def hold_for_room(self, tracked: InflightRequest) -> bool:
+        """Hold a request of a shed class until it fits ``shed_ratio`` of the pool.
+
+        Shedding a whole class empties the pool between bursts (and the level holds
+        for ``hold_s``); holding each request for at most ``shed_wait_s`` until the
+        in-flight projections plus its own fit ``shed_ratio`` of the pool sheds only
+        the excess. The held requests are bounded: at most ``HELD_POOLS`` pools' worth.
+        """
+        own = self.own(tracked)
+        # Checked again here, with nothing awaited between the check and the add: in a
+        # burst, many requests pass admit's early check together while their prompts
+        # are tokenized, and would all be held past the bound.
+        if not self.room_under(self.settings.shed_ratio, own) and not self.may_hold():
+            return False
+        self.held_tokens += own
+        try:
+            return (
+                await self.wait_until(
+                    # A release (the ladder's or an operator's) lets it in at once.
+                    lambda: (
+                        not self.mitigations.sheds(tracked.priority)
+                        or self.room_under(self.settings.shed_ratio, own)
+                    ),
+                    self.settings.shed_wait_s,
+                )
+                and not self.draining()
+            )
+        finally:
+            self.held_tokens -= own
+
+    async def wait_until(self, fits: Callable[[], bool], wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for ``fits()`` (re-checked as requests finish)."""
+        if fits():
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        self.waiting += 1
+        try:
+            while not fits():
+                if self.draining():
+                    return False  # the caller refuses it: the engine is about to restart
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                    await asyncio.wait_for(self._room_freed.wait(), left)
+            return True
+        finally:
+            self.waiting -= 1
+
+    async def make_room(self, tracked: InflightRequest) -> bool:
+        """With ``admission = "projected"``, wait until the request fits the pool.
+
+        A request fits when every in-flight request's projection (prompt +
+        ``max_tokens``, in whole blocks) plus its own stays within
+        ``admission_ratio`` of the engine's usable pool. It waits up to
+        ``admission_wait_s`` for others to finish, then is shed. Critical requests
+        are never shed: they may use the whole pool (not just ``admission_ratio``)
+        and wait for room as long as ``read_timeout_s`` — letting one in regardless
+        is what would crash an engine that allocates per sequence. An unknown pool
+        and dry-run admit everything. No poll interval stands between a burst and
+        this check: it is what keeps an engine that crashes on exhaustion alive.
+        """
+        if not self.admission_enforced():
+            return True
+        mitigations, settings = self.mitigations, self.settings
+        critical = tracked.priority == "critical"
+        terms = rules.admission_terms(
+            critical=critical,
+            admission_ratio=settings.admission_ratio,
+            admission_wait_s=settings.admission_wait_s,
+            read_timeout_s=settings.read_timeout_s,
+        )
+        own = self.own(tracked)
+
+        def fits() -> bool:
+            # Re-read at each check: the pool may become unknown while waiting.
+            block = mitigations.block_size
+            return rules.admits(
+                self._inflight.projected_tokens(block),
+                own,
+                mitigations.pool_tokens,
+                terms.ratio,
+                critical=critical,
+            )
+
+        return await self.wait_until(fits, terms.wait_s)

@@ -1,0 +1,214 @@
+"""The admission proxy's application: :class:`AdmissionProxy`, its state and its handler.
+
+It wires the parts together: every request is screened (:mod:`.screen`) before its
+body is read, generation requests go through the admission (:mod:`.admit`), and what
+passes is forwarded and relayed (:mod:`.forward`), prompt counts coming from
+:mod:`.counting`. It owns what they share: the pooled session to the engine, the
+in-flight accounting and the counters, and the public surface other layers use
+(the daemon, the drain, the exporter and ``/status``). Kept apart from
+``__init__`` so importing the package's names does not mean reading the class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from kvguard.actuators.accounting import Inflight, InflightRequest, TokenCache
+from kvguard.actuators.mitigations import Mitigations
+from kvguard.actuators.proxy.admit import Admission
+from kvguard.actuators.proxy.answers import _error
+from kvguard.actuators.proxy.counting import PromptCount, PromptCounter
+from kvguard.actuators.proxy.forward import Forwarder, _upstream_headers
+from kvguard.actuators.proxy.screen import ALLOWED_METHODS, GENERATION_PATHS, screen_request
+from kvguard.actuators.proxy.settings import ProxyCounters, ProxySettings
+from kvguard.config.fields import is_loopback
+from kvguard.http_client import client_session
+
+log = structlog.get_logger("kvguard.proxy")
+
+
+class AdmissionProxy:
+    """The proxy's state and handlers; ``app()`` is the aiohttp application."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        mitigations: Mitigations,
+        *,
+        bytes_per_token: float | None = None,
+    ) -> None:
+        self.settings = settings
+        self.mitigations = mitigations
+        self.inflight = Inflight()
+        self.counters = ProxyCounters()
+        self.bytes_per_token = bytes_per_token
+        self._session: aiohttp.ClientSession | None = None
+        upstream = settings.upstream.rstrip("/")
+        # Counting and forwarding share one pooled session: session() is passed, not
+        # the session, so a closed one is replaced for both.
+        self._counter = PromptCounter(self.session, upstream)
+        self._admission = Admission(
+            settings, mitigations, self.inflight, self.counters, self._counter
+        )
+        self._forwarder = Forwarder(
+            upstream,
+            self.session,
+            mitigations=mitigations,
+            inflight=self.inflight,
+            counters=self.counters,
+            counter=self._counter,
+            finished=self._admission.wake,
+        )
+        mitigations.cancel_largest = self.cancel_largest
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for room in the pool now (held or projected admission)."""
+        return self._admission.waiting
+
+    # Test hooks: the tests reach these by the names they had before the proxy was a
+    # package (tests/actuators/test_proxy.py, tests/reliability/test_burst.py).
+    @property
+    def _held_tokens(self) -> int:
+        """Projections of the shed-class requests held for room (the burst test reads it)."""
+        return self._admission.held_tokens
+
+    @property
+    def _counting(self) -> set[asyncio.Future[None]]:
+        """Prompt counts asked of the engine in the background (tests wait for them)."""
+        return self._counter.pending
+
+    @property
+    def _tokens(self) -> TokenCache:
+        """The prompt count cache (tests fill and read it)."""
+        return self._counter.cache
+
+    def _known_prompt_tokens(self, payload: dict[str, Any], *, chat: bool) -> PromptCount:
+        """The prompt's count without asking the engine (tests check the cache's keys)."""
+        return self._counter.known(payload, chat=chat)
+
+    def app(self) -> web.Application:
+        """The application: every allowed path and method, screened, then forwarded."""
+        listen = self.settings.listen
+        if not is_loopback(listen.rpartition(":")[0]):
+            log.warning(
+                "listen_not_loopback",
+                server="proxy",
+                listen=listen,
+                hint="reachable from other machines: restrict it with a firewall or network"
+                " policy (docs/security.md)",
+            )
+        # The screen is a middleware so it also sees what no route matches (CONNECT's
+        # authority target, OPTIONS *) and answers it clearly.
+        app = web.Application(
+            client_max_size=self.settings.max_body_bytes, middlewares=[self._screen]
+        )
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        app.on_cleanup.append(self._close)
+        return app
+
+    def wake(self) -> None:
+        """Make requests waiting for room re-check now (the mitigations in force changed)."""
+        self._admission.wake()
+
+    @web.middleware
+    async def _screen(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """Refuse what must not reach the engine, before its body is read."""
+        refusal = screen_request(request, self.settings)
+        if refusal is None:
+            return await handler(request)
+        status, reason, message = refusal
+        self.counters.rejected[reason] += 1
+        # Debug: a flood of junk must not flood the log; the counter tells the story.
+        log.debug("request_refused", reason=reason, method=request.method, status=status)
+        headers = {"Allow": ", ".join(sorted(ALLOWED_METHODS))} if status == 405 else None
+        return _error(status, message, "invalid_request_error", code=reason, headers=headers)
+
+    async def _close(self, _: web.Application) -> None:
+        await self._counter.close()
+        if self._session is not None:
+            await self._session.close()
+
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled keep-alive session to the upstream (created on first use)."""
+        if self._session is None or self._session.closed:
+            # No HTTP_PROXY from the environment; idle connections dropped before the
+            # engine's own keep-alive timer can close one under a request (http_client).
+            self._session = client_session(
+                keepalive_s=self.settings.upstream_keepalive_s,
+                timeout=aiohttp.ClientTimeout(
+                    sock_connect=self.settings.connect_timeout_s,
+                    sock_read=self.settings.read_timeout_s,
+                ),
+                auto_decompress=False,  # bytes pass through as the engine sent them
+            )
+        return self._session
+
+    # ------------------------------------------------------------------ the request path
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Forward one request, applying the mitigations to generation requests."""
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.counters.upstream_errors["413"] += 1
+            return _error(
+                413, f"request body over {self.settings.max_body_bytes} bytes", "request_too_large"
+            )
+        headers = _upstream_headers(request)
+        request_id = headers.get("X-Request-Id") or uuid.uuid4().hex
+        headers["X-Request-Id"] = request_id
+        tracked: InflightRequest | None = None
+        if request.method == "POST" and request.path in GENERATION_PATHS:
+            decided = await self._admission.admit(request, body, request_id)
+            if isinstance(decided, web.StreamResponse):
+                return decided
+            body, tracked = decided
+        return await self._forwarder.forward(request, headers, body, tracked)
+
+    def priority_of(self, headers: Mapping[str, str]) -> str:
+        """The request's class: from the API-key map, else the header, else the default."""
+        return self._admission.priority_of(headers)
+
+    # ------------------------------------------------------------------ actions
+    def cancel_largest(self) -> bool:
+        """Cut the upstream connection of the largest non-critical request.
+
+        Engines abort a request whose client went away, which frees its blocks.
+        """
+        victim = self.inflight.largest()
+        if victim is None or victim.cancel is None:
+            return False
+        self._cancel(victim, "largest")
+        return True
+
+    def cancel_all(self, reason: str = "drain") -> int:
+        """Cut every in-flight request, critical ones too (the engine is about to restart)."""
+        victims = [r for r in self.inflight if r.cancel is not None and not r.cancelled]
+        for victim in victims:
+            self._cancel(victim, reason)
+        return len(victims)
+
+    def _cancel(self, victim: InflightRequest, reason: str) -> None:
+        assert victim.cancel is not None  # noqa: S101 - callers pick cancellable requests
+        victim.cancelled = True
+        victim.cancel_reason = reason
+        victim.cancel()
+        self.counters.cancelled[reason] += 1
+        log.warning(
+            "request_cancelled",
+            request_id=victim.request_id,
+            priority=victim.priority,
+            kv_tokens=victim.footprint_tokens,
+            reason=reason,
+        )

@@ -1,0 +1,195 @@
+"""The /status document: what the daemon knows now, as one JSON object.
+
+:func:`status_document` builds it from the daemon's latest state (config redacted,
+budget, snapshot, staleness, reconciliation, pressure, mitigations, proxy and the
+asynchronous actuators). It only reads; the ``control`` section (the recent
+``/control/*`` actions) is added by the route in :mod:`kvguard.api.app`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from kvguard.api.budget_report import budget_to_dict
+
+if TYPE_CHECKING:
+    from kvguard.runtime.daemon import Daemon
+
+
+def tick_age_s(daemon: Daemon) -> float | None:
+    """Seconds since the last completed tick; None before the first."""
+    last = daemon.state.last_tick_at
+    return None if last is None else daemon.clock() - last
+
+
+def status_document(daemon: Daemon) -> dict[str, Any]:
+    """The /status JSON: config (redacted), budget, latest snapshot, staleness, reconciliation."""
+    state = daemon.state
+    snapshot = state.snapshot
+    budget = None
+    if state.budget is not None:
+        model = daemon.config.model.config or ""
+        gpu = "configured" if daemon.config.gpu.memory_bytes else "from NVML or default"
+        budget = budget_to_dict(state.budget, model, gpu)
+    rec = state.reconciliation
+    return {
+        "version": daemon.version,
+        "dry_run": daemon.dry_run,
+        "uptime_s": round(daemon.clock() - state.started_at, 3),
+        "config": daemon.config.redacted(),
+        "tick": {
+            "count": state.ticks_total,
+            "last_age_s": tick_age_s(daemon),
+            "duration_s": state.tick_duration_s,
+            "next_interval_s": daemon.next_interval(),
+        },
+        "sources": {
+            name: asdict(reading)
+            for name, reading in (snapshot.sources if snapshot else {}).items()
+        },
+        "engine": _engine(daemon),
+        "gpus": [asdict(g) for g in snapshot.gpus] if snapshot and snapshot.gpus else None,
+        "host": asdict(snapshot.host) if snapshot and snapshot.host else None,
+        "budget": budget,
+        "budget_error": state.budget_error,
+        "pressure": _pressure(daemon),
+        "mitigations": mitigations_dict(daemon),
+        "proxy": _proxy(daemon),
+        "actions": _actions(daemon),
+        "reconciliation": None
+        if rec is None
+        else {
+            "predicted_kv_capacity_tokens": rec.predicted_tokens,
+            "reported_kv_capacity_tokens": rec.reported_tokens,
+            "difference_tokens": rec.difference_tokens,
+            "difference_ratio": rec.difference_ratio,
+        },
+    }
+
+
+def mitigations_dict(daemon: Daemon) -> dict[str, Any]:
+    """What is in force now (also the answer of every ``/control/*`` action)."""
+    m = daemon.mitigations
+    return {
+        "enforcing": m.enforcing,
+        "shed_floor": m.shed_floor,
+        "max_prompt_tokens": m.max_prompt_tokens,
+        "max_tokens": m.max_tokens,
+        "retry_after_s": m.retry_after_s,
+    }
+
+
+def _pressure(daemon: Daemon) -> dict[str, Any] | None:
+    brain = daemon.brain
+    decision, fc, pattern = brain.decision, brain.forecast, brain.pattern
+    if decision is None or fc is None or pattern is None:
+        return None
+    return {
+        "mode": brain.mode,
+        "level": decision.level,
+        "level_for_s": round(decision.t - decision.state.level_since, 3),
+        "crossed": list(decision.crossed),
+        "deferred": list(decision.deferred),
+        "pattern": pattern.pattern,
+        "pattern_confidence": pattern.confidence,
+        "pattern_features": dict(pattern.features),
+        "forecast": {
+            "kv_level_tokens": fc.kv.level,
+            "kv_capacity_tokens": fc.kv.capacity,
+            "kv_slope_tokens_per_s": fc.kv.slope_per_s,
+            "kv_time_to_exhaustion_s": _finite(fc.kv.time_to_exhaustion_s),
+            "kv_projected_tokens": {f"{h:g}": v for h, v in fc.kv.projected.items()},
+            "gpu_time_to_exhaustion_s": _finite(fc.gpu.time_to_exhaustion_s),
+            "queue_demand_tokens": fc.queue_demand_tokens,
+            "prompt_fill_per_s": fc.prompt_fill_per_s,
+            "generation_fill_per_s": fc.generation_fill_per_s,
+            "drain_per_s": fc.drain_per_s,
+            "preemptions_per_s": fc.preemptions_per_s,
+        },
+        "active": brain.active_actions(),
+        "decisions": [record.as_dict() for record in reversed(brain.decisions)],
+    }
+
+
+def _actions(daemon: Daemon) -> dict[str, Any] | None:
+    """The asynchronous actuators: what this engine can do, and how it went."""
+    actuators = daemon.actuators
+    if actuators is None:
+        return None
+    switch, supervisor = actuators.switch_report(), daemon.supervisor
+    return {
+        "engine_kind": actuators.kind,
+        "unavailable": dict(daemon.brain.unavailable),
+        "engine_paused": actuators.paused,
+        "results": [
+            {"action": a, "result": r, "count": n}
+            for (a, r), n in sorted(actuators.results.items())
+        ],
+        "reconfigure": None
+        if switch is None
+        else {
+            "mode": switch.mode,
+            "restarter": switch.restarter,
+            "fp8": switch.fp8,
+            "busy": switch.busy,
+            "last_drain_s": switch.last_drain_s,
+        },
+        # The engine's argv can hold secrets (--api-key): only the program is shown.
+        "supervisor": None
+        if supervisor is None
+        else {
+            "program": supervisor.program,
+            "pid": supervisor.pid,
+            "restarts": supervisor.restarts_by_reason,
+            "ooms": supervisor.ooms,
+            "last_exit_code": supervisor.last_exit_code,
+        },
+        "webhooks": None if daemon.webhooks is None else dict(daemon.webhooks.counters),
+    }
+
+
+def _proxy(daemon: Daemon) -> dict[str, Any] | None:
+    proxy = daemon.proxy
+    if proxy is None:
+        return None
+    # The current budget's (it follows an fp8 switch and reloads), else what the proxy had.
+    budget = daemon.state.budget
+    per_token = (
+        budget.budget.kv_bytes_per_token_per_gpu if budget is not None else proxy.bytes_per_token
+    )
+    return {
+        "listen": proxy.settings.listen,
+        "upstream": proxy.settings.upstream,
+        "inflight_requests": len(proxy.inflight),
+        "waiting_requests": proxy.waiting,
+        "inflight_kv_tokens": proxy.inflight.total_tokens,
+        # Ids and sizes only: prompt text never leaves the request path.
+        "top_inflight": [
+            {
+                "request_id": r.request_id,
+                "priority": r.priority,
+                "prompt_tokens": r.prompt_tokens,
+                "generated_tokens": r.generated,
+                "kv_tokens": r.footprint_tokens,
+                "projected_kv_tokens": r.projected_tokens,
+                "kv_bytes": r.footprint_tokens * per_token if per_token else None,
+            }
+            for r in proxy.inflight.top(10)
+        ],
+    }
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: +Inf ("not rising") is null."""
+    return None if math.isinf(value) else value
+
+
+def _engine(daemon: Daemon) -> dict[str, Any] | None:
+    snapshot = daemon.state.snapshot
+    if snapshot is None or snapshot.engine is None:
+        return None
+    data = asdict(snapshot.engine)
+    data["actions"] = sorted(daemon.probes.engine.actions)
+    return data

@@ -1,0 +1,118 @@
+"""``kvguard probe``: read an engine, the GPUs and the host once and print what kvguard sees."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from dataclasses import asdict
+from typing import Any
+
+from kvguard.api.telemetry import configure_logging
+from kvguard.config.settings import config_for_engine
+from kvguard.core.snapshot import ENGINE_KINDS, EngineStats
+from kvguard.core.units import format_bytes
+from kvguard.runtime.daemon import Daemon
+
+# What `kvguard probe --json` always reports about the engine, null when unknown.
+PROBE_ENGINE_KEYS = tuple(EngineStats.__dataclass_fields__)
+
+
+def register(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add ``kvguard probe``."""
+    probe = commands.add_parser(
+        "probe",
+        help="read an engine, the GPUs and the host once and print what kvguard sees",
+        description="Read every probe once against --engine-url (exit 1: engine unreachable).",
+    )
+    probe.add_argument("--engine-url", required=True, metavar="URL", help="the engine's base URL")
+    probe.add_argument("--engine-kind", default="auto", choices=("auto", *ENGINE_KINDS))
+    probe.add_argument("--json", action="store_true", help="print one JSON object")
+    probe.set_defaults(handler=run_probe)
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    """One tick against --engine-url, printed."""
+    configure_logging("error", "auto")
+    config = config_for_engine(args.engine_url, args.engine_kind)
+
+    async def once() -> dict[str, Any]:
+        daemon = Daemon(config)
+        try:
+            await daemon.tick()
+            return probe_document(daemon)
+        finally:
+            await daemon.close()
+
+    document = asyncio.run(once())
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(render_probe(document))
+    return 0 if document["sources"]["engine"]["ok"] else 1
+
+
+def probe_document(daemon: Daemon) -> dict[str, Any]:
+    """What ``kvguard probe`` reports: the normalized snapshot of one tick."""
+    snapshot = daemon.state.snapshot
+    assert snapshot is not None  # noqa: S101 - called after a tick
+    engine: dict[str, Any] = dict.fromkeys(PROBE_ENGINE_KEYS)
+    engine["kind"] = daemon.config.engine.kind if daemon.config.engine.kind != "auto" else None
+    engine["up"] = False
+    if snapshot.engine is not None:
+        engine.update(asdict(snapshot.engine))
+    engine["url"] = daemon.config.engine.url
+    nvml = daemon.probes.nvml
+    return {
+        "engine": engine,
+        "gpus": [asdict(g) for g in snapshot.gpus] if snapshot.gpus else None,
+        "nvml": getattr(nvml, "driver_info", lambda: None)() if nvml is not None else None,
+        "host": asdict(snapshot.host) if snapshot.host else None,
+        "sources": {name: asdict(r) for name, r in snapshot.sources.items()},
+    }
+
+
+def render_probe(doc: dict[str, Any]) -> str:
+    """The probe document as a short table."""
+    engine = doc["engine"]
+    lines = [f"Engine   {engine['url']}  kind {engine['kind'] or 'unknown'}  up {engine['up']}"]
+    lines += [
+        f"  {key:<26} {fmt_value(engine[key])}"
+        for key in PROBE_ENGINE_KEYS
+        if key not in ("kind", "up")
+    ]
+    lines += [gpu_line(gpu) for gpu in doc["gpus"] or []]
+    host = doc["host"]
+    if host:
+        available, total = host["memory_available_bytes"], host["memory_total_bytes"]
+        lines.append(f"Host     available {format_bytes(available)} of {format_bytes(total)}")
+    lines += [f"Source   {name:<7} {source_state(s)}" for name, s in doc["sources"].items()]
+    return "\n".join(lines)
+
+
+def source_state(source: dict[str, Any]) -> str:
+    """A source's state in words: ok, unavailable (why) or FAILED (why)."""
+    if source["ok"]:
+        return "ok"
+    if not source.get("available", True):
+        return f"unavailable ({source['error']})"
+    return f"FAILED: {source['error']}"
+
+
+def gpu_line(gpu: dict[str, Any]) -> str:
+    """One GPU's memory as a line."""
+    used, total = format_bytes(gpu["used_bytes"]), format_bytes(gpu["total_bytes"])
+    return f"GPU {gpu['index']}    {gpu['name']}  used {used} of {total}"
+
+
+def fmt_value(value: object) -> str:
+    """A reported value for people: unknown, a number in short form, a dict inline."""
+    if value is None:
+        return "unknown"
+    if isinstance(value, dict):
+        return ", ".join(
+            f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items()
+        )
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)

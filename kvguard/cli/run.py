@@ -1,0 +1,130 @@
+"""``kvguard run``: the guard, built by the assembly, served until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from typing import Any
+
+import structlog
+
+from kvguard.api.telemetry import configure_logging
+from kvguard.config.settings import Config, load_config
+from kvguard.core.snapshot import Snapshot
+from kvguard.errors import ConfigError, KvguardError
+from kvguard.runtime.assembly import build_guard
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.systemd import SystemdNotifier
+
+log = structlog.get_logger("kvguard.run")
+
+
+def register(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add ``kvguard run``."""
+    run = commands.add_parser(
+        "run",
+        help="watch an engine and its GPUs: snapshot per tick, budget, /metrics, /status",
+        description="Run the kvguard daemon with the config from --config or $KVGUARD_CONFIG.",
+    )
+    run.add_argument("--config", metavar="FILE", help="TOML config (default: $KVGUARD_CONFIG)")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="decide, count and report every action; block or change nothing",
+    )
+    run.add_argument(
+        "engine_command",
+        nargs=argparse.REMAINDER,
+        metavar="-- ENGINE COMMAND",
+        help="supervisor mode: start this engine command (after --), restart it on a crash"
+        " and for the fp8 switch, stop it with kvguard",
+    )
+    run.set_defaults(handler=run_daemon)
+
+
+def run_daemon(args: argparse.Namespace) -> int:
+    """Load the config and serve until SIGTERM/SIGINT."""
+    config = load_config(args.config)
+    configure_logging(config.log.level, config.log.format)
+    command = list(args.engine_command or ())
+    if command[:1] == ["--"]:
+        command = command[1:]
+    return asyncio.run(
+        serve(
+            config,
+            config_path=config.source,
+            dry_run=args.dry_run,
+            engine_command=command or None,
+        )
+    )
+
+
+async def serve(
+    config: Config,
+    *,
+    config_path: str | None,
+    dry_run: bool = False,
+    engine_command: list[str] | None = None,
+) -> int:
+    """The guard (:func:`~kvguard.runtime.assembly.build_guard`), until SIGTERM/SIGINT.
+
+    SIGHUP reloads ``config_path``; SIGTERM/SIGINT stop everything, the engine last.
+    """
+    notifier = SystemdNotifier.from_environment()
+    guard = build_guard(config, dry_run=dry_run, engine_command=engine_command)
+    await guard.start()
+    daemon = guard.daemon
+    watchdog = notifier.watchdog_interval_s
+    slowest_tick = config.poll.interval_s + config.poll.timeout_s
+    if watchdog is not None and slowest_tick >= watchdog:
+        # Pings ride on ticks; a tick slower than the ping interval gets kvguard killed.
+        log.warning(
+            "watchdog_interval_too_short",
+            ping_interval_s=watchdog,
+            slowest_tick_s=slowest_tick,
+            hint="raise WatchdogSec= or lower poll.interval_s + poll.timeout_s",
+        )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, guard.stop)
+    if config_path:
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(daemon, config_path, notifier))
+    started = False
+
+    def after_tick(_: Snapshot) -> None:
+        nonlocal started
+        if not started:
+            started = True
+            notifier.ready(f"watching {daemon.config.engine.url}")
+            log.info(
+                "started",
+                listen=config.server.listen,
+                proxy=config.proxy.listen if config.proxy.enabled else None,
+                engine=config.engine.url,
+                dry_run=daemon.dry_run,
+            )
+        notifier.watchdog()
+
+    try:
+        await guard.run(after_tick=after_tick)
+    finally:
+        notifier.stopping()
+        await guard.close()
+        log.info("stopped")
+    return 0
+
+
+def _reload(daemon: Daemon, path: str, notifier: SystemdNotifier) -> None:
+    notifier.reloading()
+    try:
+        new = load_config(path)
+        daemon.reload(new)
+        configure_logging(new.log.level, new.log.format)  # [log] applies on reload too
+    except KvguardError as exc:
+        problems = exc.lines() if isinstance(exc, ConfigError) else [str(exc)]
+        log.error(  # noqa: TRY400 - the problems are the message; a traceback would bury them
+            "config_reload_rejected", source=path, problems=problems, kept=daemon.config.source
+        )
+    finally:
+        notifier.ready()

@@ -1,0 +1,307 @@
+"""``kvguard status``: a running kvguard's /status, one or a fleet, once or live."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+
+from kvguard.cli.probe import fmt_value, gpu_line, source_state
+from kvguard.core.bars import text_bar
+from kvguard.core.units import format_bytes
+from kvguard.errors import KvguardError
+
+DEFAULT_STATUS_URL = "http://127.0.0.1:9108"
+
+
+def register(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add ``kvguard status``."""
+    status = commands.add_parser(
+        "status",
+        help="show a running kvguard's /status (live with --watch)",
+        description="Read /status from a running kvguard and show it; from several, one line"
+        " per engine, worst first (exit 1 when one cannot be read).",
+    )
+    status.add_argument(
+        "--url",
+        dest="urls",
+        nargs="+",
+        action="extend",
+        metavar="URL",
+        help=f"kvguard's address (default {DEFAULT_STATUS_URL}); several (--url A B, or"
+        " --url repeated): one line per engine, worst first",
+    )
+    status.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    status.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="refresh period (default 1 s)"
+    )
+    status.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    status.set_defaults(handler=run_status)
+
+
+STATUS_TIMEOUT_S = 5.0
+LEVEL_RANKS = {"ok": 0, "elevated": 1, "high": 2, "critical": 3}
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Print /status once, or refresh it until interrupted; several URLs: the fleet view."""
+    urls: list[str] = list(dict.fromkeys(args.urls or [DEFAULT_STATUS_URL]))
+    fleet = len(urls) > 1
+    code = 0
+
+    async def main() -> None:
+        nonlocal code
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if fleet:
+                    rows = await fetch_fleet(session, urls)
+                    code = 1 if any(r.error for r in rows) else 0
+                    text = (
+                        json.dumps([r.as_dict() for r in rows], indent=2)
+                        if args.json
+                        else render_fleet(rows)
+                    )
+                else:
+                    doc = await fetch_status(session, urls[0])
+                    text = json.dumps(doc, indent=2) if args.json else render_status(doc)
+                if args.watch:
+                    sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")  # home + clear: redraw in place
+                    sys.stdout.flush()
+                    await asyncio.sleep(args.interval)
+                else:
+                    print(text)
+                    return
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+    return code
+
+
+async def fetch_status(session: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
+    """GET ``base_url``/status; any failure is one :class:`KvguardError` naming the URL."""
+    url = base_url.rstrip("/") + "/status"
+    try:
+        timeout = aiohttp.ClientTimeout(total=STATUS_TIMEOUT_S)
+        async with session.get(url, timeout=timeout) as resp:
+            resp.raise_for_status()
+            data: dict[str, Any] = await resp.json()
+            return data
+    except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
+        raise KvguardError(f"cannot read {url}: {exc or type(exc).__name__}") from exc
+
+
+@dataclass(frozen=True)
+class FleetRow:
+    """One kvguard (one engine) of ``kvguard status --url A B …``, as ranked and printed.
+
+    ``time_to_exhaustion_s`` is the sooner of the KV cache's and the GPU memory's
+    forecast (``inf``: neither rises; None: no forecast yet); ``headroom_ratio`` the
+    smaller of the KV cache's free share and the fullest GPU's free share.
+    """
+
+    url: str
+    error: str | None = None
+    level: str | None = None
+    engine_kind: str | None = None
+    engine_up: bool = False
+    time_to_exhaustion_s: float | None = None
+    exhausting: str | None = None  # which resource: kv_cache or gpu_memory
+    kv_usage_ratio: float | None = None
+    kv_free_tokens: int | None = None
+    gpu_free_bytes: int | None = None
+    gpu_free_ratio: float | None = None
+    gpu_fullest: int | None = None  # NVML index of the GPU with the least free memory
+
+    @property
+    def headroom_ratio(self) -> float | None:
+        """The tighter of KV cache and fullest GPU, as a free share (None: neither known)."""
+        kv_free = None if self.kv_usage_ratio is None else max(0.0, 1.0 - self.kv_usage_ratio)
+        known = [r for r in (kv_free, self.gpu_free_ratio) if r is not None]
+        return min(known) if known else None
+
+    def rank_key(self) -> tuple[int, int, float, float, str]:
+        """The sort key, worst first.
+
+        Unreachable kvguard, then engine down, then higher pressure level, sooner
+        exhaustion, less headroom; the URL breaks ties so the order is stable.
+        """
+        if self.error is not None:
+            group = 0  # blind: nothing is known about this engine
+        elif not self.engine_up:
+            group = 1
+        else:
+            group = 2
+        tte = self.time_to_exhaustion_s
+        headroom = self.headroom_ratio
+        return (
+            group,
+            -LEVEL_RANKS.get(self.level or "ok", 0),
+            math.inf if tte is None else tte,
+            math.inf if headroom is None else headroom,
+            self.url,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as JSON (``--json``); infinity (not rising) is null, as in /status."""
+        data = asdict(self)
+        tte = self.time_to_exhaustion_s
+        data["time_to_exhaustion_s"] = None if tte is None or math.isinf(tte) else tte
+        data["rising"] = tte is not None and not math.isinf(tte)
+        data["headroom_ratio"] = self.headroom_ratio
+        return data
+
+
+def fleet_row(url: str, doc: dict[str, Any]) -> FleetRow:
+    """Reduce one kvguard's /status document to its fleet line."""
+    engine = doc.get("engine") or {}
+    pressure = doc.get("pressure") or {}
+    forecast = pressure.get("forecast") or {}
+    tte: float | None = None
+    exhausting = None
+    if pressure:
+        # /status writes +Inf (not rising) as null; a forecast that exists and is null
+        # is therefore "not rising", not "unknown".
+        candidates = [
+            (forecast.get(f"{resource}_time_to_exhaustion_s"), resource)
+            for resource in ("kv", "gpu")
+        ]
+        rising = [(float(v), r) for v, r in candidates if v is not None]
+        if rising:
+            tte, short = min(rising)
+            exhausting = "kv_cache" if short == "kv" else "gpu_memory"
+        else:
+            tte = math.inf
+    usage = engine.get("kv_cache_usage_ratio")
+    capacity, used = engine.get("kv_capacity_tokens"), engine.get("kv_used_tokens")
+    gpus = [g for g in doc.get("gpus") or [] if g.get("total_bytes")]
+    fullest = min(gpus, key=lambda g: g["free_bytes"] / g["total_bytes"]) if gpus else None
+    return FleetRow(
+        url=url,
+        level=pressure.get("level"),
+        engine_kind=engine.get("kind"),
+        engine_up=bool(engine.get("up")),
+        time_to_exhaustion_s=tte,
+        exhausting=exhausting,
+        kv_usage_ratio=usage,
+        kv_free_tokens=capacity - used if capacity is not None and used is not None else None,
+        gpu_free_bytes=fullest["free_bytes"] if fullest else None,
+        gpu_free_ratio=fullest["free_bytes"] / fullest["total_bytes"] if fullest else None,
+        gpu_fullest=fullest["index"] if fullest else None,
+    )
+
+
+async def fetch_fleet(session: aiohttp.ClientSession, urls: list[str]) -> list[FleetRow]:
+    """Read every kvguard at once (each bounded by its timeout); rows worst first."""
+
+    async def one(url: str) -> FleetRow:
+        try:
+            return fleet_row(url, await fetch_status(session, url))
+        except KvguardError as exc:
+            return FleetRow(url=url, error=str(exc))
+
+    rows = await asyncio.gather(*(one(url) for url in urls))
+    return sorted(rows, key=FleetRow.rank_key)
+
+
+FLEET_HEADER = (
+    "KVGUARD",
+    "LEVEL",
+    "EXHAUSTS IN",
+    "KV USED",
+    "KV FREE",
+    "FULLEST GPU FREE",
+    "ENGINE",
+)
+
+
+def render_fleet(rows: list[FleetRow]) -> str:
+    """One line per engine under a header, in the order given (worst first)."""
+    table = [FLEET_HEADER]
+    for row in rows:
+        if row.error is not None:
+            table.append((row.url, "UNREACHABLE", row.error, "", "", "", ""))
+            continue
+        tte = row.time_to_exhaustion_s
+        if tte is None:
+            exhausts = "unknown"
+        elif math.isinf(tte):
+            exhausts = "not rising"
+        else:
+            # Rounded down: the operator should read the sooner figure.
+            exhausts = f"{math.floor(tte)} s ({row.exhausting})"
+        gpu = "no GPU data"
+        if row.gpu_free_bytes is not None and row.gpu_free_ratio is not None:
+            gpu = (
+                f"{format_bytes(row.gpu_free_bytes)} {row.gpu_free_ratio:.1%}"
+                f" (GPU {row.gpu_fullest})"
+            )
+        table.append(
+            (
+                row.url,
+                row.level or "starting",
+                exhausts,
+                "unknown" if row.kv_usage_ratio is None else f"{row.kv_usage_ratio:.1%}",
+                "unknown" if row.kv_free_tokens is None else f"{row.kv_free_tokens:,} tok",
+                gpu,
+                f"{row.engine_kind or 'unknown'} {'up' if row.engine_up else 'DOWN'}",
+            )
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(FLEET_HEADER) - 1)]
+    return "\n".join(
+        "  ".join(
+            [*(cell.ljust(w) for cell, w in zip(line, widths, strict=False)), line[-1]]
+        ).rstrip()
+        for line in table
+    )
+
+
+def render_status(doc: dict[str, Any]) -> str:
+    """The /status document as a terminal view."""
+    engine = doc.get("engine") or {}
+    tick = doc["tick"]
+    lines = [
+        f"kvguard {doc['version']}{'  (dry run)' if doc.get('dry_run') else ''}"
+        f"  up {doc['uptime_s']:.0f} s  ticks {tick['count']}"
+        f"  next in {tick['next_interval_s']:g} s",
+        f"Engine   {doc['config']['engine']['url']}  kind {engine.get('kind', 'unknown')}"
+        f"  up {engine.get('up', False)}",
+    ]
+    usage = engine.get("kv_cache_usage_ratio")
+    if usage is not None:
+        bar = text_bar(usage, 30)
+        lines.append(
+            f"KV cache {usage:6.1%} {bar:<30}  used {fmt_value(engine.get('kv_used_tokens'))}"
+            f" of {fmt_value(engine.get('kv_capacity_tokens'))} tokens"
+        )
+    lines.append(
+        f"Requests running {fmt_value(engine.get('requests_running'))}"
+        f"  waiting {fmt_value(engine.get('requests_waiting'))}"
+        f"  preemptions {fmt_value(engine.get('preemptions_total'))}"
+    )
+    lines += [gpu_line(gpu) for gpu in doc.get("gpus") or []]
+    budget = doc.get("budget")
+    if budget:
+        verdict = "fits" if budget["fits"] else "DOES NOT FIT"
+        lines.append(
+            f"Budget   {budget['kv_capacity_tokens']:,} KV tokens predicted, headroom"
+            f" {format_bytes(budget['headroom_bytes_per_gpu'])} per GPU: {verdict}"
+        )
+    rec = doc.get("reconciliation")
+    if rec:
+        ratio = rec["difference_ratio"]
+        lines.append(
+            f"Reconcile engine reports {rec['reported_kv_capacity_tokens']:,} tokens"
+            f" ({rec['difference_tokens']:+,}{'' if ratio is None else f', {ratio:+.1%}'})"
+        )
+    for name, source in (doc.get("sources") or {}).items():
+        age = source.get("age_s")
+        state = source_state(source)
+        lines.append(f"Source   {name:<7} {state}{'' if age is None else f'  ({age:.1f} s old)'}")
+    return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""Admission arithmetic: from numbers, whether a generation request fits, waits or is refused.
+
+The admission proxy (:mod:`kvguard.actuators.proxy`) asks these questions of every
+generation request; the answers depend only on token counts, the engine's pool, the
+caps in force and the ``[proxy]`` settings. Waiting, counting, logging and the HTTP
+answers stay in the proxy: here nothing is awaited and no clock is read, so every
+rule can be tested with plain numbers.
+
+Terms: a request's *projection* is its prompt plus ``max_tokens`` (what it will hold
+at most), in whole KV blocks; *in flight* is the sum of the projections of the
+requests the engine has now; the *pool* is the engine's usable KV cache in tokens,
+``None`` while unknown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# Requests of a shed class held for room, at most: this many pools' worth (projected).
+# One pool's worth sheds bursts the engine would have served within shed_wait_s; four
+# kept the simulator's bursty_short goodput within 5% of holding without a bound.
+HELD_POOLS = 4
+UNKNOWN_MAX_TOKENS = 512  # projection of a request that sets no max_tokens
+
+WindowRefusal = Literal["prompt_over_window", "no_room_for_completion"]
+
+
+@dataclass(frozen=True)
+class WindowOutcome:
+    """What the window caps in force make of one request.
+
+    ``refusal`` names why it must be refused (400), or is None; otherwise
+    ``max_tokens`` is what to forward, and ``clamped`` says it is lower than (or,
+    when the client set none, in place of) what the client asked.
+    """
+
+    refusal: WindowRefusal | None
+    max_tokens: int | None
+    clamped: bool = False
+
+
+@dataclass(frozen=True)
+class AdmissionTerms:
+    """How much of the pool a request may fill under projected admission, and how long it waits."""
+
+    ratio: float
+    wait_s: float
+
+
+def caps_for(priority: str, window: tuple[int | None, int | None]) -> tuple[int | None, int | None]:
+    """The (prompt, completion) caps that apply to a request of ``priority``.
+
+    Critical requests are never refused for their size: a refusal loses them as
+    surely as a shed would, and critical traffic is never shed.
+    """
+    return (None, None) if priority == "critical" else window
+
+
+def needs_exact_count(
+    prompt_cap: int | None,
+    completion_cap: int | None,
+    *,
+    shed_class: bool,
+    admission_enforced: bool,
+) -> bool:
+    """Whether the prompt's exact count decides something now, so it is worth waiting for.
+
+    A window cap, a hold for room (the request's class is shed) and projected
+    admission all compare the prompt against a limit; otherwise an estimate serves
+    until the engine's count comes (asking it was most of the latency the proxy added).
+    """
+    return prompt_cap is not None or completion_cap is not None or shed_class or admission_enforced
+
+
+def apply_window(
+    prompt: int,
+    max_tokens: int | None,
+    prompt_cap: int | None,
+    completion_cap: int | None,
+    min_completion_tokens: int,
+) -> WindowOutcome:
+    """Check a request of ``prompt`` tokens asking ``max_tokens`` against the window caps.
+
+    A prompt over ``prompt_cap`` is refused. Under ``completion_cap`` the room for the
+    answer is the cap less the prompt when a prompt cap is in force too (the two
+    caps then stand for one context window), else the whole cap; less room than
+    ``min_completion_tokens`` is refused, and a ``max_tokens`` over the room (or
+    none) is clamped to it.
+    """
+    if prompt_cap is not None and prompt > prompt_cap:
+        return WindowOutcome("prompt_over_window", max_tokens)
+    if completion_cap is None:
+        return WindowOutcome(None, max_tokens)
+    room = max(completion_cap - prompt, 0) if prompt_cap is not None else completion_cap
+    if room < min_completion_tokens:
+        return WindowOutcome("no_room_for_completion", max_tokens)
+    if max_tokens is None or max_tokens > room:
+        return WindowOutcome(None, room, clamped=True)
+    return WindowOutcome(None, max_tokens)
+
+
+def whole_blocks(tokens: int, block_size: int) -> int:
+    """``tokens`` rounded up to whole KV blocks of ``block_size`` (engines allocate blocks)."""
+    return -(-tokens // block_size) * block_size
+
+
+def fits_pool(in_flight: int, own: int, pool: int | None, ratio: float) -> bool:
+    """Whether ``in_flight`` projections plus ``own`` tokens stay within ``ratio`` of ``pool``.
+
+    An unknown pool has no room to show: False.
+    """
+    if pool is None:
+        return False
+    return in_flight + own <= pool * ratio
+
+
+def may_hold(held_tokens: int, pool: int | None, shed_ratio: float) -> bool:
+    """Whether one more request of a shed class may be held for room rather than shed now.
+
+    Only against a known pool, with holding enabled (``shed_ratio`` above 0), and
+    while the projections already held stay under ``HELD_POOLS`` times ``shed_ratio``
+    of the pool: a flood of shed requests must not pile up without bound.
+    """
+    return pool is not None and shed_ratio > 0 and held_tokens < pool * shed_ratio * HELD_POOLS
+
+
+def admission_enforced(mode: str, *, enforcing: bool, pool: int | None) -> bool:
+    """Whether projected admission checks each request against the pool now.
+
+    Only with ``admission = "projected"``, while enforcing (not dry-run), and
+    against a known pool.
+    """
+    return mode == "projected" and enforcing and pool is not None
+
+
+def admission_terms(
+    *, critical: bool, admission_ratio: float, admission_wait_s: float, read_timeout_s: float
+) -> AdmissionTerms:
+    """The share of the pool a request may fill, and how long it may wait for it.
+
+    Critical requests are never shed: they may use the whole pool (not just
+    ``admission_ratio``) and wait as long as the engine's own answer may take
+    (``read_timeout_s``); the others wait ``admission_wait_s``, then are shed.
+    """
+    if critical:
+        return AdmissionTerms(ratio=1.0, wait_s=read_timeout_s)
+    return AdmissionTerms(ratio=admission_ratio, wait_s=admission_wait_s)
+
+
+def admits(in_flight: int, own: int, pool: int | None, ratio: float, *, critical: bool) -> bool:
+    """Whether projected admission lets a request of ``own`` tokens in now.
+
+    An unknown pool admits (the pool may become unknown while a request waits: the
+    engine went away). A critical request larger than the whole pool would never
+    fit: it goes in once nothing else is in flight, as the engine would take it alone.
+    """
+    if pool is None:
+        return True
+    if critical and not in_flight:
+        return True
+    return fits_pool(in_flight, own, pool, ratio)

@@ -1,0 +1,153 @@
+"""The proxy's admission arithmetic (kvguard.core.admission), with plain numbers."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvguard.core.admission import (
+    HELD_POOLS,
+    AdmissionTerms,
+    WindowOutcome,
+    admission_enforced,
+    admission_terms,
+    admits,
+    apply_window,
+    caps_for,
+    fits_pool,
+    may_hold,
+    needs_exact_count,
+    whole_blocks,
+)
+
+
+def test_critical_requests_have_no_window_caps():
+    """Critical requests are never refused for their size; the others get the window in force."""
+    assert caps_for("critical", (100, 50)) == (None, None)
+    assert caps_for("standard", (100, 50)) == (100, 50)
+    assert caps_for("sheddable", (None, 50)) == (None, 50)
+
+
+@pytest.mark.parametrize(
+    ("prompt_cap", "completion_cap", "shed_class", "enforced", "expected"),
+    [
+        (None, None, False, False, False),  # calm: the estimate serves
+        (100, None, False, False, True),
+        (None, 100, False, False, True),
+        (None, None, True, False, True),  # a hold for room compares against the pool
+        (None, None, False, True, True),  # projected admission too
+    ],
+)
+def test_exact_count_is_needed_only_when_it_decides(
+    prompt_cap, completion_cap, shed_class, enforced, expected
+):
+    """The exact count is waited for only when a cap, a hold or projected admission uses it."""
+    assert (
+        needs_exact_count(
+            prompt_cap, completion_cap, shed_class=shed_class, admission_enforced=enforced
+        )
+        is expected
+    )
+
+
+def test_a_prompt_over_the_prompt_cap_is_refused():
+    """A prompt one token over the prompt cap is refused; one at the cap goes on."""
+    assert apply_window(101, 10, 100, None, 16).refusal == "prompt_over_window"
+    assert apply_window(100, 10, 100, None, 16) == WindowOutcome(None, 10)  # at the cap: fits
+
+
+def test_with_both_caps_the_answer_gets_what_the_prompt_leaves():
+    """Under both caps the answer's room is the completion cap less the prompt."""
+    # 1000 - 900 = 100 tokens of room: 500 asked is clamped to it.
+    assert apply_window(900, 500, 1000, 1000, 16) == WindowOutcome(None, 100, clamped=True)
+    # 1000 - 990 = 10 < 16: no room for a useful answer.
+    assert apply_window(990, 500, 1000, 1000, 16).refusal == "no_room_for_completion"
+
+
+def test_with_only_a_completion_cap_the_prompt_is_not_subtracted():
+    """Under a completion cap alone the room is the whole cap, whatever the prompt."""
+    assert apply_window(900, 500, None, 200, 16) == WindowOutcome(None, 200, clamped=True)
+    assert apply_window(5000, 100, None, 200, 16) == WindowOutcome(None, 100)  # under: as asked
+    assert apply_window(5000, 100, None, 8, 16).refusal == "no_room_for_completion"
+
+
+def test_a_request_without_max_tokens_is_clamped_to_the_room():
+    """No max_tokens under a completion cap: the room is set; with no cap, nothing is."""
+    assert apply_window(10, None, None, 64, 16) == WindowOutcome(None, 64, clamped=True)
+    assert apply_window(10, None, None, None, 16) == WindowOutcome(None, None)  # no cap: unset
+
+
+@given(
+    prompt=st.integers(1, 10_000),
+    asked=st.none() | st.integers(1, 10_000),
+    prompt_cap=st.none() | st.integers(1, 10_000),
+    completion_cap=st.integers(1, 10_000),
+    minimum=st.integers(1, 64),
+)
+def test_an_admitted_answer_never_exceeds_the_cap(
+    prompt, asked, prompt_cap, completion_cap, minimum
+):
+    """An admitted answer fits the caps; a clamp leaves it at least the minimum."""
+    outcome = apply_window(prompt, asked, prompt_cap, completion_cap, minimum)
+    if outcome.refusal is None:
+        assert outcome.max_tokens is not None
+        assert outcome.max_tokens <= completion_cap
+        assert outcome.clamped == (asked is None or asked > outcome.max_tokens)
+        if outcome.clamped:  # a client may ask for less than the minimum; a clamp never does
+            assert outcome.max_tokens >= minimum
+        else:
+            assert outcome.max_tokens == asked
+        if prompt_cap is not None:  # the two caps stand for one context window
+            assert prompt <= prompt_cap
+            assert prompt + outcome.max_tokens <= completion_cap
+
+
+def test_projections_round_up_to_whole_blocks():
+    """Projections are counted in whole KV blocks, rounded up."""
+    assert whole_blocks(1, 16) == 16
+    assert whole_blocks(16, 16) == 16
+    assert whole_blocks(17, 16) == 32
+    assert whole_blocks(0, 16) == 0
+
+
+def test_fits_pool_is_inclusive_and_an_unknown_pool_has_no_room():
+    """Fitting exactly at the ratio fits; one block more does not; no pool, no room."""
+    assert fits_pool(600, 200, 1000, 0.8)  # 800 <= 800
+    assert not fits_pool(600, 216, 1000, 0.8)
+    assert not fits_pool(0, 1, None, 1.0)
+
+
+def test_held_requests_are_bounded_by_held_pools():
+    """Shed-class requests are held up to HELD_POOLS x shed_ratio of the pool, not beyond."""
+    pool, ratio = 1000, 0.5
+    bound = pool * ratio * HELD_POOLS
+    assert may_hold(int(bound) - 1, pool, ratio)
+    assert not may_hold(int(bound), pool, ratio)
+    assert not may_hold(0, pool, 0.0)  # shed_ratio 0: shed the whole class at once
+    assert not may_hold(0, None, ratio)  # no pool to measure against
+
+
+def test_projected_admission_is_enforced_only_live_against_a_known_pool():
+    """Projected admission applies only when chosen, enforcing, and the pool is known."""
+    assert admission_enforced("projected", enforcing=True, pool=1000)
+    assert not admission_enforced("off", enforcing=True, pool=1000)
+    assert not admission_enforced("projected", enforcing=False, pool=1000)  # dry run
+    assert not admission_enforced("projected", enforcing=True, pool=None)
+
+
+def test_critical_requests_may_fill_the_pool_and_wait_as_long_as_an_answer():
+    """Critical requests get the whole pool and read_timeout_s; others the ratio and wait."""
+    kwargs = {"admission_ratio": 0.9, "admission_wait_s": 5.0, "read_timeout_s": 600.0}
+    assert admission_terms(critical=True, **kwargs) == AdmissionTerms(1.0, 600.0)
+    assert admission_terms(critical=False, **kwargs) == AdmissionTerms(0.9, 5.0)
+
+
+def test_projected_admission_admits_what_fits_and_a_lone_critical_request():
+    """What fits the ratio goes in; an unknown pool admits; a critical request may go in alone."""
+    assert admits(10_000, 10_000, None, 0.9, critical=False)  # the pool went unknown: admit
+    assert admits(0, 5000, 1000, 1.0, critical=True)  # too big, but alone: the engine takes it
+    assert not admits(16, 5000, 1000, 1.0, critical=True)  # not alone: waits
+    assert not admits(0, 5000, 1000, 0.9, critical=False)  # only critical goes in alone
+    assert admits(400, 500, 1000, 0.9, critical=False)  # 900 <= 900
+    assert not admits(416, 500, 1000, 0.9, critical=False)
