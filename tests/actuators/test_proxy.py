@@ -515,7 +515,7 @@ async def tokenizing(serve):
         payload = await request.json()
         arrived.set()
         proxy = holder["proxy"]
-        await until(lambda: not proxy._counting)  # the background count is in
+        await until(lambda: not proxy._counter.pending)  # the background count is in
         usage = {"prompt_tokens": 480, "completion_tokens": 3}
         if not payload.get("stream"):
             return web.json_response({"choices": [{"text": "x"}], "usage": usage})
@@ -553,7 +553,7 @@ async def test_at_ok_a_whole_answers_usage_counts_its_prompt(tokenizing, proxy_t
         assert calls == ["completion"]
         assert state.inflight.prompt_tokens.count == 1
         assert state.inflight.prompt_tokens.total == 480  # observed at the end: the usage's
-        assert state._known_prompt_tokens(body, chat=False).count == 480  # remembered
+        assert state._counter.known(body, chat=False).count == 480  # remembered
         async with http.post(f"{proxy}/v1/completions", json=body) as resp:
             assert resp.status == 200
     assert calls == ["completion", "completion"]
@@ -595,7 +595,7 @@ async def test_at_ok_a_stream_with_usage_counts_its_prompt_from_it(tokenizing, p
         await resp.read()
     assert calls == ["completion"]
     assert state.inflight.prompt_tokens.total == 480
-    remembered = state._known_prompt_tokens(body, chat=False)
+    remembered = state._counter.known(body, chat=False)
     assert (remembered.count, remembered.exact) == (480, True)
 
 
@@ -623,13 +623,13 @@ async def test_a_remembered_count_is_the_same_prompt_shaped_the_same_way(tokeniz
     _, state = await proxy_to(upstream, Mitigations())
     holder["proxy"] = state
     plain = {"messages": [{"role": "user", "content": "hi"}]}
-    known = state._known_prompt_tokens(plain, chat=True)
-    state._tokens.put(known.key, 480)
-    assert state._known_prompt_tokens(plain, chat=True).exact
+    known = state._counter.known(plain, chat=True)
+    state._counter.cache.put(known.key, 480)
+    assert state._counter.known(plain, chat=True).exact
     with_tools = {**plain, "tools": [{"type": "function", "function": {"name": "f"}}]}
-    assert not state._known_prompt_tokens(with_tools, chat=True).exact
+    assert not state._counter.known(with_tools, chat=True).exact
     templated = {**plain, "chat_template_kwargs": {"enable_thinking": False}}
-    assert not state._known_prompt_tokens(templated, chat=True).exact
+    assert not state._counter.known(templated, chat=True).exact
 
 
 async def test_a_window_cap_waits_for_the_engines_count(tokenizing, proxy_to):

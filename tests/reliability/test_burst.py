@@ -93,7 +93,7 @@ async def drive(url: str, workers: int, seconds: float, proxy: AdmissionProxy) -
     async def watch() -> None:
         while True:
             peaks["waiting"] = max(peaks["waiting"], proxy.waiting)
-            peaks["held_tokens"] = max(peaks["held_tokens"], proxy._held_tokens)
+            peaks["held_tokens"] = max(peaks["held_tokens"], proxy._admission.held_tokens)
             await asyncio.sleep(0.02)
 
     connector = aiohttp.TCPConnector(limit=0)  # every client its own connection
@@ -177,7 +177,7 @@ async def test_a_burst_of_ten_times_the_engines_concurrency_is_shed_fast_and_bou
         # Afterwards everything the proxy tracked is released, the engine drains,
         # and memory and descriptors come back down.
         assert proxy.waiting == 0
-        assert proxy._held_tokens == 0
+        assert proxy._admission.held_tokens == 0
         # Connections close asynchronously: each of these settles within seconds.
         await until(lambda: len(proxy.inflight) == 0, interval_s=0.05)
         await until(lambda: not server.engine.scheduler.has_work, interval_s=0.05)

@@ -11,20 +11,18 @@ in-flight accounting and the counters, and the public surface other layers use
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import web
 
-from kvguard.actuators.accounting import Inflight, InflightRequest, TokenCache
+from kvguard.actuators.accounting import Inflight, InflightRequest
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy.admit import Admission
 from kvguard.actuators.proxy.answers import _error
-from kvguard.actuators.proxy.counting import PromptCount, PromptCounter
+from kvguard.actuators.proxy.counting import PromptCounter
 from kvguard.actuators.proxy.forward import Forwarder, _upstream_headers
 from kvguard.actuators.proxy.screen import ALLOWED_METHODS, GENERATION_PATHS, screen_request
 from kvguard.actuators.proxy.settings import ProxyCounters, ProxySettings
@@ -72,27 +70,6 @@ class AdmissionProxy:
     def waiting(self) -> int:
         """Requests waiting for room in the pool now (held or projected admission)."""
         return self._admission.waiting
-
-    # Test hooks: the tests reach these by the names they had before the proxy was a
-    # package (tests/actuators/test_proxy.py, tests/reliability/test_burst.py).
-    @property
-    def _held_tokens(self) -> int:
-        """Projections of the shed-class requests held for room (the burst test reads it)."""
-        return self._admission.held_tokens
-
-    @property
-    def _counting(self) -> set[asyncio.Future[None]]:
-        """Prompt counts asked of the engine in the background (tests wait for them)."""
-        return self._counter.pending
-
-    @property
-    def _tokens(self) -> TokenCache:
-        """The prompt count cache (tests fill and read it)."""
-        return self._counter.cache
-
-    def _known_prompt_tokens(self, payload: dict[str, Any], *, chat: bool) -> PromptCount:
-        """The prompt's count without asking the engine (tests check the cache's keys)."""
-        return self._counter.known(payload, chat=chat)
 
     def app(self) -> web.Application:
         """The application: every allowed path and method, screened, then forwarded."""
