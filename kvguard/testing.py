@@ -21,6 +21,9 @@ allocator would for one process (segments, a CUDA context, an out-of-memory erro
 when the GPU is full), and :func:`nvidia_smi_csv` prints the fake GPUs as
 ``nvidia-smi --query-gpu`` does: together they let the GPU check
 (``scripts/gpu-check.sh --fake``) run without a GPU.
+
+One module of ~600 lines on purpose: users import the fakes from one place
+(``kvguard.testing``), and the fake driver mirrors a real API surface.
 """
 
 # ruff: noqa: N801, N802, N815, N818 - the fake mirrors pynvml's names on purpose

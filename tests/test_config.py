@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.config.settings import CONFIG_ENV, TOKEN_ENV, Secret, load_config, parse_config
+from kvguard.config.secrets import TOKEN_ENV, Secret
+from kvguard.config.settings import CONFIG_ENV, load_config, parse_config
 from kvguard.errors import ConfigError
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")

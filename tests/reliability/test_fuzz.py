@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import MAX_TOKENS_LIMIT, AdmissionProxy, ProxySettings
 from kvguard.api.app import build_app
-from kvguard.config.settings import _SCHEMA, CONTROL_TOKEN_ENV, load_config, parse_config
+from kvguard.config.secrets import CONTROL_TOKEN_ENV
+from kvguard.config.settings import _SCHEMA, load_config, parse_config
 from kvguard.core.snapshot import EngineStats
 from kvguard.errors import ConfigError, ProbeError
 from kvguard.probes.engine import EngineProbe

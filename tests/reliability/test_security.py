@@ -32,7 +32,8 @@ from kvguard.actuators.reconfigure import CommandRestarter, Reconfigurer
 from kvguard.api.app import build_app
 from kvguard.api.control import DENIED_LOG_CALLERS, ControlLog
 from kvguard.api.telemetry import configure_logging, daemon_registry
-from kvguard.config.settings import CONTROL_TOKEN_ENV, Config, parse_config
+from kvguard.config.secrets import CONTROL_TOKEN_ENV
+from kvguard.config.settings import Config, parse_config
 from kvguard.core.policy import Action, GuardState
 from kvguard.errors import ConfigError
 from kvguard.probes.engine import EngineProbe
