@@ -66,7 +66,7 @@ def probe_document(daemon: Daemon) -> dict[str, Any]:
     return {
         "engine": engine,
         "gpus": [asdict(g) for g in snapshot.gpus] if snapshot.gpus else None,
-        "nvml": getattr(nvml, "driver_info", lambda: None)() if nvml is not None else None,
+        "nvml": nvml.driver_info() if nvml is not None else None,
         "host": asdict(snapshot.host) if snapshot.host else None,
         "sources": {name: asdict(r) for name, r in snapshot.sources.items()},
     }

@@ -3,14 +3,15 @@
 :class:`Probe` is every probe; :class:`FollowingProbe` one that watches a process
 and can be pointed at another (the host and GPU probes, in supervisor mode);
 :class:`EngineSource` the engine's probe, which also says what the engine is and
-which admin actions it offers.
+which admin actions it offers; :class:`GpuSource` the GPUs' probe, which also says
+which driver it reads.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, TypeVar
 
-from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats
+from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats, GpuMemory
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -64,4 +65,12 @@ class EngineSource(Probe[EngineStats], Protocol):
     @property
     def actions(self) -> frozenset[EngineAction]:
         """Admin actions the engine offers; empty while its kind is unknown."""
+        ...
+
+
+class GpuSource(FollowingProbe[tuple[GpuMemory, ...]], Protocol):
+    """The GPUs' probe: memory per selected GPU, and the driver it reads it from."""
+
+    def driver_info(self) -> dict[str, str | None]:
+        """Driver and NVML versions, and why NVML is unavailable if it is (no call made)."""
         ...

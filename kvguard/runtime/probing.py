@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import structlog
 
 from kvguard.config.settings import Config
-from kvguard.core.snapshot import GpuMemory, HostStats, Snapshot, SourceReading
-from kvguard.probes.base import EngineSource, FollowingProbe, Probe
+from kvguard.core.snapshot import HostStats, Snapshot, SourceReading
+from kvguard.probes.base import EngineSource, FollowingProbe, GpuSource, Probe
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.host import HostProbe
 from kvguard.probes.nvml import GpuSelector, NvmlProbe
@@ -58,7 +58,7 @@ class Probes:
     """The probes one daemon runs; built from the config, or injected by tests."""
 
     engine: EngineSource
-    nvml: FollowingProbe[tuple[GpuMemory, ...]] | None
+    nvml: GpuSource | None
     host: FollowingProbe[HostStats] | None
 
     @classmethod
