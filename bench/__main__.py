@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 
 from bench import efficacy, efficacy_vllm, overhead, report
-from kvguard.api.telemetry import configure_logging
+from kvguard.api.logs import configure_logging
 
 RESULTS = Path("bench/results")
 DOCS = Path("docs/benchmarks.md")

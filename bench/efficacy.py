@@ -51,7 +51,7 @@ import aiohttp
 
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
-from kvguard.api.telemetry import configure_logging
+from kvguard.api.logs import configure_logging
 from kvguard.core.policy import LEVELS
 from kvguard.core.snapshot import Snapshot
 from kvguard.errors import KvguardError

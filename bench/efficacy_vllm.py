@@ -48,7 +48,7 @@ from bench.efficacy import (
     targets,
     warmup_load,
 )
-from kvguard.api.telemetry import configure_logging
+from kvguard.api.logs import configure_logging
 from kvguard.errors import KvguardError
 from kvguard.http_client import client_session
 from kvguard.probes.engine import EngineProbe

@@ -60,7 +60,7 @@ from bench.gpu_report import (
     render_table,
     write_results,
 )
-from kvguard.api.telemetry import configure_logging
+from kvguard.api.logs import configure_logging
 from kvguard.config.model_files import BUNDLED_MODELS_DIR
 from kvguard.http_client import client_session
 from kvguard.testing import (

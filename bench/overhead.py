@@ -46,7 +46,7 @@ from bench.overhead_proxy import measure_proxy
 from bench.overhead_reaction import measure_reaction
 from bench.overhead_report import render
 from bench.overhead_scrape import FIXTURE, measure_scrape
-from kvguard.api.telemetry import configure_logging
+from kvguard.api.logs import configure_logging
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
 SHARED_LOAD_RATIO = 0.25  # 1-min load per core at start above this: neighbours were busy

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvguard.api.telemetry import configure_logging
+from kvguard.api.logs import configure_logging
 from kvguard.core.policy import LEVELS
 from kvguard.runtime.assembly import Guard
 from kvguard.runtime.daemon import Daemon

@@ -49,7 +49,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from kvguard.api.telemetry import configure_logging
+from kvguard.api.logs import configure_logging
 from kvguard.probes.engines.base import Samples, parse_exposition
 from kvguard.runtime.inprocess import free_port
 from kvguard.sim.engine import TimeModel

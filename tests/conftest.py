@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +21,22 @@ def _state_in_tmp(tmp_path_factory, monkeypatch):
     Set in the environment, so a `kvguard run` a test starts inherits it too.
     """
     monkeypatch.setenv("KVGUARD_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """A test that configures kvguard's logging leaves the root logger as it found it.
+
+    configure_logging puts a bridge on the root logger and sets its level (aiohttp's
+    and asyncio's records go through structlog): left there, it would change what
+    every later test in the session logs.
+    """
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -371,3 +372,108 @@ def test_fleet_row_reads_the_sooner_resource_and_not_rising():
     fresh = fleet_row("http://c", {"engine": None, "pressure": None, "gpus": None})
     assert fresh.time_to_exhaustion_s is None
     assert "unknown" in render_fleet([fresh])
+
+
+# ---------------------------------------------------------------- secret files' modes
+HOOK_SECRET = "0123456789abcdef0123456789abcdef-hook"
+
+
+def secret_config(folder: Path, token_mode: int, hook_mode: int, extra: str = "") -> Path:
+    """A config whose engine token and webhook secret files have these modes."""
+    (folder / "engine.token").write_text("engine-token-5150\n")
+    (folder / "engine.token").chmod(token_mode)
+    (folder / "hook.secret").write_text(HOOK_SECRET + "\n")
+    (folder / "hook.secret").chmod(hook_mode)
+    path = folder / "kvguard.toml"
+    path.write_text(
+        '[engine]\nurl = "http://127.0.0.1:8000"\ntoken_file = "engine.token"\n'
+        '[webhook]\nsecret_file = "hook.secret"\n' + extra
+    )
+    return path
+
+
+def test_check_config_warns_of_secret_files_others_can_read(tmp_path, capsys):
+    """A line per file group or others may read (0640, 0644), exit 0; none for 0600."""
+    path = secret_config(tmp_path, token_mode=0o644, hook_mode=0o640)
+    assert main(["check-config", str(path)]) == EXIT_OK
+    out, err = capsys.readouterr()
+    assert f"{path}: OK" in out
+    assert err.splitlines() == [
+        f"kvguard check-config: warning: {path}: engine.token_file: must be readable by its"
+        " owner only, not mode 0644 (`chmod 600` it, or `chmod 400`), got 'engine.token'",
+        f"kvguard check-config: warning: {path}: webhook.secret_file: must be readable by its"
+        " owner only, not mode 0640 (`chmod 600` it, or `chmod 400`), got 'hook.secret'",
+    ]
+    assert "engine-token-5150" not in out + err
+    assert HOOK_SECRET not in out + err
+    path = secret_config(tmp_path, token_mode=0o600, hook_mode=0o600)
+    assert main(["check-config", str(path), "--strict-secrets"]) == EXIT_OK
+    assert capsys.readouterr().err == ""
+
+
+def test_strict_secrets_refuses_every_exposed_file(tmp_path, capsys):
+    """check-config and run with --strict-secrets: exit 2, one error per file, nothing started."""
+    path = secret_config(tmp_path, token_mode=0o644, hook_mode=0o644)
+    for command in (["check-config", str(path)], ["run", "--config", str(path)]):
+        assert main([*command, "--strict-secrets"]) == EXIT_BAD_INPUT
+        out, err = capsys.readouterr()
+        assert out == ""
+        name = command[0]
+        assert [line.split(": ")[2:4] for line in err.splitlines()] == [
+            [str(path), "engine.token_file"],
+            [str(path), "webhook.secret_file"],
+        ], err
+        assert all(line.startswith(f"kvguard {name}: error: ") for line in err.splitlines())
+        assert HOOK_SECRET not in err
+
+
+async def read_log(proc: asyncio.subprocess.Process, until: str, timeout: float = 15) -> list[dict]:
+    """JSON log events from ``proc``'s stderr, up to the first ``until`` event."""
+    assert proc.stderr is not None
+    events: list[dict] = []
+    async with asyncio.timeout(timeout):
+        while not events or events[-1]["event"] != until:
+            line = await proc.stderr.readline()
+            assert line, f"kvguard exited before {until!r}: {events}"
+            events.append(json.loads(line))
+    return events
+
+
+async def test_run_logs_exposed_secret_files_and_strict_reload_refuses_them(sim_engine, tmp_path):
+    """The real command: a warning per exposed file at start; --strict-secrets on SIGHUP refuses."""
+    engine_url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    listen = f'[server]\nlisten = "127.0.0.1:{free_port()}"\n[log]\nformat = "json"\n'
+    path = secret_config(tmp_path, token_mode=0o600, hook_mode=0o644, extra=listen)
+    path.write_text(path.read_text().replace("http://127.0.0.1:8000", engine_url))
+
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "run", "--config", str(path), stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        events = await read_log(proc, until="started")
+        exposed = [e for e in events if e["event"] == "secret_file_exposed"]
+        assert [(e["field"], e["path"], e["mode"], e["level"]) for e in exposed] == [
+            ("webhook.secret_file", "hook.secret", "0644", "warning")
+        ]
+        assert HOOK_SECRET not in json.dumps(events)
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+    (tmp_path / "hook.secret").chmod(0o600)
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "run", "--strict-secrets", "--config", str(path), stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        events = await read_log(proc, until="started")
+        assert "secret_file_exposed" not in [e["event"] for e in events]
+        (tmp_path / "engine.token").chmod(0o640)
+        proc.send_signal(signal.SIGHUP)
+        rejected = (await read_log(proc, until="config_reload_rejected"))[-1]
+        assert rejected["problems"] == [
+            "engine.token_file: must be readable by its owner only, not mode 0640"
+            " (`chmod 600` it, or `chmod 400`), got 'engine.token'"
+        ]
+    finally:
+        proc.terminate()
+        assert await proc.wait() == 0

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.config.secrets import TOKEN_ENV, Secret
-from kvguard.config.settings import CONFIG_ENV, load_config, parse_config
+from kvguard.config.secrets import CONTROL_TOKEN_ENV, TOKEN_ENV, Secret
+from kvguard.config.settings import CONFIG_ENV, exposed_secrets, load_config, parse_config
 from kvguard.errors import ConfigError
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
@@ -184,7 +184,7 @@ def test_a_token_with_control_characters_is_refused(tmp_path):
 def test_reconfigure_and_webhook_sections(tmp_path):
     """Required keys per mode; commands are argv lists; secrets and arguments stay hidden."""
     secret = tmp_path / "hook-secret"
-    secret.write_text("s3cret\n")
+    secret.write_text("s3cret-of-at-least-thirty-two-bytes\n")
     config = parse_config(
         {
             "engine": {"url": "http://127.0.0.1:8000"},
@@ -195,7 +195,7 @@ def test_reconfigure_and_webhook_sections(tmp_path):
     )
     assert config.reconfigure.command == ("kubectl", "--token=abc", "patch")
     assert config.webhook.secret is not None
-    assert config.webhook.secret.reveal() == "s3cret"
+    assert config.webhook.secret.reveal() == "s3cret-of-at-least-thirty-two-bytes"
     shown = json.dumps(config.redacted())
     assert "abc" not in shown
     assert "s3cret" not in shown
@@ -239,10 +239,11 @@ def test_proxy_path_rules_and_their_errors():
         )
     fields = [problem[0] for problem in err.value.problems]
     assert fields == ["proxy.allowed_paths[0]", "proxy.blocked_paths"]
-    with pytest.raises(ConfigError, match="at least one path prefix"):
-        parse_config(
-            {"engine": {"url": "http://127.0.0.1:8000"}, "proxy": {"allowed_paths": []}}, env={}
-        )
+    # allowed_paths adds to the engine's own routes: empty is the default, not an error.
+    empty = parse_config(
+        {"engine": {"url": "http://127.0.0.1:8000"}, "proxy": {"allowed_paths": []}}, env={}
+    )
+    assert empty.proxy.allowed_paths == ()
 
 
 def test_blocked_paths_may_name_a_method_and_cover_the_engines_admin_endpoints():
@@ -432,3 +433,124 @@ def test_the_proxy_gets_every_proxy_setting_of_the_config():
     proxy = {"upstream": "http://127.0.0.1:8001"}
     config = parse_config({"engine": engine, "proxy": proxy}, env={})
     assert make_proxy(config, Mitigations(), None).settings.upstream == "http://127.0.0.1:8001"
+
+
+# ---------------------------------------------------------------- secret files
+WEBHOOK_SECRET = "0123456789abcdef0123456789abcdef"  # 32 bytes: the least accepted
+SECRET_FIELDS = ("engine.token_file", "server.control_token_file", "webhook.secret_file")
+
+
+def write_secrets(folder: Path, modes: dict[str, int]) -> dict[str, object]:
+    """The three secret files, with ``modes`` by field, and a config naming them."""
+    contents = {
+        "engine.token_file": ("engine.token", "engine-token-1234"),
+        "server.control_token_file": ("control.token", "control-token-0123456789"),
+        "webhook.secret_file": ("hook.secret", WEBHOOK_SECRET),
+    }
+    for field_name, (name, text) in contents.items():
+        (folder / name).write_text(text + "\n")
+        (folder / name).chmod(modes[field_name])
+    return {
+        "engine": {"url": "http://127.0.0.1:8000", "token_file": "engine.token"},
+        "server": {"control_token_file": "control.token"},
+        "webhook": {"secret_file": "hook.secret"},
+    }
+
+
+def test_a_webhook_secret_under_32_bytes_is_refused(tmp_path):
+    """An 8-character secret names webhook.secret_file, the file and the minimum, not the secret."""
+    (tmp_path / "hook.secret").write_text("8-chars!\n")
+    data = {"engine": {"url": "http://127.0.0.1:8000"}, "webhook": {"secret_file": "hook.secret"}}
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data, source=str(tmp_path / "kvguard.toml"), env={})
+    assert caught.value.lines() == [
+        "webhook.secret_file: must hold at least 32 bytes, not 8"
+        " (e.g. `openssl rand -hex 32 > FILE`, 64 characters), got 'hook.secret'"
+    ]
+    assert "8-chars!" not in str(caught.value)
+    (tmp_path / "hook.secret").write_text(WEBHOOK_SECRET + "\n")
+    config = parse_config(data, source=str(tmp_path / "kvguard.toml"), env={})
+    assert config.webhook.secret == Secret(WEBHOOK_SECRET)
+
+
+@pytest.mark.parametrize(
+    ("mode", "exposed"),
+    [(0o600, False), (0o400, False), (0o640, True), (0o644, True)],
+    ids=["0600", "0400", "0640", "0644"],
+)
+def test_secret_files_others_can_read_are_found(tmp_path, mode, exposed):
+    """0640 and 0644 are readable by group or others: each such file is named, with its mode."""
+    data = write_secrets(tmp_path, dict.fromkeys(SECRET_FIELDS, mode))
+    config = parse_config(data, source=str(tmp_path / "kvguard.toml"), env={})
+    found = exposed_secrets(config)
+    if not exposed:
+        assert found == []
+        return
+    assert [(f.field, f.name, f.mode) for f in found] == [
+        ("engine.token_file", "engine.token", mode),
+        ("server.control_token_file", "control.token", mode),
+        ("webhook.secret_file", "hook.secret", mode),
+    ]
+    assert found[2].problem() == (
+        "webhook.secret_file",
+        "hook.secret",
+        f"must be readable by its owner only, not mode {mode:04o} (`chmod 600` it, or `chmod 400`)",
+    )
+
+
+def test_strict_secrets_refuses_every_exposed_file_at_once(tmp_path):
+    """With strict_secrets each file others may read is a problem; 0600 ones pass."""
+    modes = {
+        "engine.token_file": 0o644,
+        "server.control_token_file": 0o600,
+        "webhook.secret_file": 0o640,
+    }
+    data = write_secrets(tmp_path, modes)
+    source = str(tmp_path / "kvguard.toml")
+    assert parse_config(data, source=source, env={}).webhook.secret is not None  # a warning only
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data, source=source, env={}, strict_secrets=True)
+    assert [line.split(":")[0] for line in caught.value.lines()] == [
+        "engine.token_file",
+        "webhook.secret_file",
+    ]
+    assert "not mode 0644" in caught.value.lines()[0]
+    assert "not mode 0640" in caught.value.lines()[1]
+    for secret in ("engine-token-1234", WEBHOOK_SECRET):
+        assert secret not in str(caught.value)
+    for name in ("engine.token", "hook.secret"):
+        (tmp_path / name).chmod(0o600)
+    config = parse_config(data, source=source, env={}, strict_secrets=True)
+    assert config.engine.token == Secret("engine-token-1234")
+
+
+def test_strict_secrets_through_load_config_and_a_link(tmp_path):
+    """load_config passes the flag; a link (as Kubernetes mounts secrets) is judged by its file."""
+    real = tmp_path / "data" / "hook.secret"
+    real.parent.mkdir()
+    real.write_text(WEBHOOK_SECRET)
+    real.chmod(0o600)
+    (tmp_path / "hook.secret").symlink_to(real)  # the link itself is 0777
+    path = tmp_path / "kvguard.toml"
+    path.write_text(
+        '[engine]\nurl = "http://127.0.0.1:8000"\n[webhook]\nsecret_file = "hook.secret"\n'
+    )
+    config = load_config(str(path), env={}, strict_secrets=True)
+    assert exposed_secrets(config) == []
+    real.chmod(0o644)
+    with pytest.raises(ConfigError, match=r"webhook\.secret_file: must be readable by its owner"):
+        load_config(str(path), env={}, strict_secrets=True)
+    assert [f.mode for f in exposed_secrets(load_config(str(path), env={}))] == [0o644]
+
+
+def test_secrets_from_the_environment_are_not_files(tmp_path):
+    """Tokens from the environment have no mode to check: strict mode accepts them."""
+    env = {TOKEN_ENV: "engine-token-1234", CONTROL_TOKEN_ENV: "control-token-0123456789"}
+    config = parse_config(
+        {"engine": {"url": "http://127.0.0.1:8000"}},
+        source=str(tmp_path / "kvguard.toml"),
+        env=env,
+        strict_secrets=True,
+    )
+    assert config.engine.token == Secret("engine-token-1234")
+    assert exposed_secrets(config) == []

@@ -305,6 +305,7 @@ async def test_run_reloads_on_sighup_keeps_old_on_bad_config_and_stops_on_sigter
     engine_url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
     port = free_port()
     (tmp_path / "token").write_text("tok-3f9a-secret")
+    (tmp_path / "token").chmod(0o600)  # readable by others would log secret_file_exposed first
     path = tmp_path / "kvguard.toml"
     path.write_text(
         f'[engine]\nurl = "{engine_url}"\ntoken_file = "token"\n'

@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
+import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import psutil
 import pytest
 
 from kvguard.actuators.supervisor import Supervisor
+from kvguard.config.settings import parse_config
+from kvguard.core.policy import Action
 from kvguard.errors import KvguardError
-from tests.helpers import until
+from kvguard.probes.engine import EngineProbe
+from kvguard.runtime.assembly import Guard, build_guard
+from kvguard.runtime.probing import Probes
+from tests.helpers import free_port, until
 
 
 def _alive(pid: int) -> bool:
@@ -193,3 +202,112 @@ def _running_with(argument: str) -> list[int]:
         for p in psutil.process_iter(["cmdline", "status"])
         if argument in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE
     ]
+
+
+# ---------------------------------------------------------------------- Retry-After
+SIM_ENGINE = [sys.executable, "-m", "kvguard.cli.main", "sim-engine"]
+
+
+@contextlib.asynccontextmanager
+async def supervised_behind_the_proxy(**reconfigure: float) -> AsyncIterator[Guard]:
+    """A kvguard in supervisor mode: a simulated vLLM as its child, its proxy on 127.0.0.1."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = parse_config(
+        {
+            "engine": {"url": url, "kind": "vllm"},
+            "proxy": {"enabled": True},
+            "reconfigure": {"crash_backoff_s": 1.0, **reconfigure},
+        },
+        env={},
+    )
+    command = [*SIM_ENGINE, "--port", str(port), "--kv-capacity-tokens", "4096"]
+    command += ["--max-model-len", "2048"]
+    guard = build_guard(
+        config,
+        engine_command=command,
+        probes=Probes(EngineProbe(url), nvml=None, host=None),
+        serve_api=False,
+    )
+    await guard.start(proxy_listen="127.0.0.1:0")
+    try:
+        assert guard.proxy_url is not None
+        await until(
+            lambda: _status(guard, "GET", "/v1/models", 200), timeout_s=30, what="the engine is up"
+        )
+        yield guard
+    finally:
+        await guard.close()
+
+
+async def _answer(guard: Guard, method: str, path: str) -> tuple[int, str | None]:
+    """One request through the proxy: its status and its Retry-After."""
+    body = {"prompt": "hi", "max_tokens": 2} if method == "POST" else None
+    async with (
+        aiohttp.ClientSession(trust_env=False) as http,
+        http.request(method, f"{guard.proxy_url}{path}", json=body) as resp,
+    ):
+        await resp.read()
+        return resp.status, resp.headers.get("Retry-After")
+
+
+async def _status(guard: Guard, method: str, path: str, status: int) -> bool:
+    return (await _answer(guard, method, path))[0] == status
+
+
+async def _answers_until_back(guard: Guard) -> list[tuple[int, str | None]]:
+    """Requests through the proxy every 20 ms until the engine answers 200 again."""
+    seen: list[tuple[int, str | None]] = []
+    async with asyncio.timeout(60):
+        while not seen or seen[-1][0] != 200 or not any(s >= 500 for s, _ in seen):
+            seen.append(await _answer(guard, "GET", "/v1/models"))
+            seen.append(await _answer(guard, "POST", "/v1/completions"))
+            await asyncio.sleep(0.02)
+    return seen
+
+
+async def test_requests_while_a_crashed_engine_restarts_get_retry_after():
+    """SIGKILL the supervised engine: every 502/503 until it is back carries Retry-After.
+
+    From the moment the supervisor sees the exit: at least the backoff (1 s here),
+    never under 5 s. Once the engine answers healthy the mark is lifted: a 502 with no
+    restart under way has no Retry-After.
+    """
+    async with supervised_behind_the_proxy() as guard:
+        supervisor, mitigations = guard.daemon.supervisor, guard.daemon.mitigations
+        assert supervisor is not None
+        assert supervisor.pid is not None
+        os.kill(supervisor.pid, signal.SIGKILL)
+        # From the moment the supervisor sees the exit (before it, kvguard cannot know).
+        await until(lambda: mitigations.restart_retry_after_s is not None, what="the crash seen")
+        seen = await _answers_until_back(guard)
+        errors = [(status, after) for status, after in seen if status >= 500]
+        assert errors, seen
+        assert {status for status, _ in errors} <= {502, 503}
+        assert all(after == "5" for _, after in errors), errors
+        await until(lambda: mitigations.restart_retry_after_s is None, what="the mark lifted")
+        assert supervisor.restarts["crash"] == 1
+
+        await supervisor.stop()  # gone for good, not restarting: a plain 502
+        assert await _answer(guard, "GET", "/v1/models") == (502, None)
+
+
+async def test_requests_while_the_fp8_switch_restarts_the_engine_get_retry_after():
+    """The fp8 switch restarts the supervised engine: its 502s carry Retry-After too.
+
+    The drain's own 503s (generation requests) already did; the rest of the traffic
+    (here /v1/models) reaches a stopped engine, and now says when to come back.
+    """
+    async with supervised_behind_the_proxy(start_timeout_s=30.0, drain_timeout_s=5.0) as guard:
+        actuators, mitigations = guard.daemon.actuators, guard.daemon.mitigations
+        assert actuators is not None
+        actuators.set_kind("vllm")
+        assert actuators.launch(Action("kv_fp8", "test"))
+        seen = await _answers_until_back(guard)
+        await asyncio.gather(*actuators._tasks.values())
+        assert actuators.results[("kv_fp8", "succeeded")] == 1
+        errors = [(status, after) for status, after in seen if status >= 500]
+        assert 502 in {status for status, _ in errors}, seen  # the engine was down a while
+        assert all(after is not None for _, after in errors), errors
+        assert {after for status, after in errors if status == 502} == {"30"}  # start_timeout_s
+        assert mitigations.restart_retry_after_s is None

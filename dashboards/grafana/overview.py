@@ -471,8 +471,8 @@ def proxy_row() -> list[Json]:
         timeseries(
             "Proxy errors",
             "Answers the proxy gave itself, per second, by code "
-            "(kvguard_proxy_errors_total): 413 body too large, 502 engine unreachable, "
-            "504 engine timeout.",
+            "(kvguard_proxy_errors_total): 408 body too slow, 413 body too large, "
+            "503 bodies over the memory budget, 502 engine unreachable, 504 engine timeout.",
             "reqps",
             [target(f"sum by (code) ({rate('kvguard_proxy_errors_total')})", "{{code}}")],
         ),

@@ -5,6 +5,11 @@ tokens (the engine's count — its ``/tokenize``, or its answer's ``usage`` — 
 conservative estimate), plus the tokens generated so far. A request's *footprint* is
 prompt + generated tokens; its *projection* is prompt + ``max_tokens``. Bytes are
 tokens x the budget's KV bytes per token per GPU, when a budget is configured.
+
+The estimates and the cache key read a prompt's parsed values as they are: a prompt
+is never written out again to be measured or hashed, which would cost one more copy
+of a body of up to ``[proxy] max_body_bytes`` (and far more for one of many small
+values), and they never raise on text the client sent (a lone surrogate included).
 """
 
 from __future__ import annotations
@@ -22,20 +27,120 @@ ESTIMATE_BYTES_PER_TOKEN = 3
 CHAT_TOKENS_PER_MESSAGE = 8  # role markers and separators of a chat template, generously
 
 
+# Non-ASCII text is measured this many characters at a time: a slice's UTF-8 copy (4
+# bytes a character at most) is all that measuring a long prompt holds at once.
+MEASURE_CHARS = 64 * 1024
+
+
+def utf8_length(text: str) -> int:
+    """The length of ``text`` in UTF-8, without encoding it whole.
+
+    ASCII text (most prompts) is its length. A lone surrogate counts 3 bytes, as
+    ``surrogatepass`` writes it: measuring the client's text must never raise.
+    """
+    if text.isascii():
+        return len(text)
+    return sum(
+        len(text[i : i + MEASURE_CHARS].encode("utf-8", "surrogatepass"))
+        for i in range(0, len(text), MEASURE_CHARS)
+    )
+
+
+def value_bytes(value: object) -> int:
+    """About the length of a JSON value written out, computed without writing it.
+
+    Strings' UTF-8 bytes and their quotes, scalars' text, one separator per element
+    and key: what an estimate from the value's JSON text would count, less the escapes.
+    """
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += utf8_length(item) + 2
+        elif isinstance(item, dict):
+            total += 2 + 2 * len(item)  # braces; a colon and a comma per entry
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            total += 2 + len(item)  # brackets; a comma per element
+            stack.extend(item)
+        else:
+            total += len(str(item))  # a number, true, false or null: a short text
+    return total
+
+
 def estimate_tokens(text: str) -> int:
     """A conservative token count for ``text`` when the engine cannot tokenize it."""
-    return max(1, math.ceil(len(text.encode("utf-8")) / ESTIMATE_BYTES_PER_TOKEN))
+    return max(1, math.ceil(utf8_length(text) / ESTIMATE_BYTES_PER_TOKEN))
+
+
+def estimate_value_tokens(value: object) -> int:
+    """A conservative token count for a prompt that is no text: a batch, parts, a mix."""
+    return max(1, math.ceil(value_bytes(value) / ESTIMATE_BYTES_PER_TOKEN))
 
 
 def estimate_chat_tokens(messages: list[object]) -> int:
     """A conservative token count for chat messages, template included."""
     total = 0
     for message in messages:
+        total += CHAT_TOKENS_PER_MESSAGE
         content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):  # OpenAI content parts: the text ones count
-            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        total += CHAT_TOKENS_PER_MESSAGE + (estimate_tokens(str(content)) if content else 0)
+        if not content:
+            continue
+        if isinstance(content, str):
+            total += estimate_tokens(content)
+            continue
+        if isinstance(content, list):
+            # OpenAI content parts: the text ones count, as if joined by spaces.
+            texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+            size = sum(_text_bytes(t) for t in texts) + max(len(texts) - 1, 0)
+        else:
+            size = value_bytes(content)  # an object or a scalar where text belongs
+        if size:
+            total += max(1, math.ceil(size / ESTIMATE_BYTES_PER_TOKEN))
     return total + CHAT_TOKENS_PER_MESSAGE
+
+
+def _text_bytes(text: object) -> int:
+    """A content part's text in bytes (its JSON text's, when it is no string)."""
+    return utf8_length(text) if isinstance(text, str) else value_bytes(text)
+
+
+def digest(value: object) -> int:
+    """A hash of a JSON value, computed without writing it out.
+
+    Equal values (objects in any key order) hash equal; others almost never, but
+    for scalars Python hashes alike (1, 1.0 and true), whose prompts count the same.
+    It is the count cache's key: a 64-bit hash, as the cache's keys always were.
+    Objects and arrays of scalars (a message, token ids) are hashed in C as tuples;
+    the rest is walked, with no recursion however deep the value.
+    """
+    folded = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            try:
+                folded = hash((folded, "{", tuple(sorted(item.items()))))
+                continue
+            except TypeError:  # a value that is an array or an object: walk it
+                pass
+            folded = hash((folded, "{", len(item)))
+            for key in sorted(item, key=str, reverse=True):  # popped in sorted order
+                stack.append(item[key])
+                stack.append(str(key))
+        elif isinstance(item, (list, tuple)):
+            try:
+                folded = hash((folded, "[", tuple(item)))
+                continue
+            except TypeError:
+                pass
+            folded = hash((folded, "[", len(item)))
+            stack.extend(reversed(item))
+        else:
+            folded = hash((folded, type(item).__name__, item))
+    return folded
 
 
 class TokenCache:

@@ -10,6 +10,16 @@ falls through to the next one (and the log says why, once). Given the state
 file's record (:mod:`kvguard.actuators.state`), it resumes an engine that an earlier kvguard
 paused and never resumed (it was killed) as soon as the engine's kind is known.
 
+With no such record it asks the engine whether it is paused (vLLM ``GET
+/is_paused``) and, if so, says so (``engine_paused_at_start``) but does not resume
+it: kvguard never pauses without a record, so the pause is someone else's — an
+operator, or a training job holding the engine for a weight update — and resuming
+it under them could serve half-updated weights. Leaving it is visible (the log line,
+:attr:`Actuators.paused_elsewhere`, the engine's own refusals) and one call undoes it.
+A pause kvguard cannot record is refused outright (``engine_pause`` in
+:meth:`Actuators.unavailable`, with why), so an engine-side shed then fails with
+that reason while the proxy's own shed goes on.
+
 Pause and resume go to the engine one at a time, in order, from one task: a resume
 asked for while a pause is in flight is sent once the pause has answered, so the
 engine cannot take the resume first and stay paused; whatever was asked last is
@@ -84,6 +94,11 @@ class Actuators:
             }
         )
         self.paused = False  # the engine is paused by kvguard (engine-side shed)
+        # The engine said at start that it was paused, and no record says kvguard did it:
+        # someone else's pause, left alone (see the module doc). Cleared by a resume.
+        self.paused_elsewhere = False
+        # Why the last pause was refused unsent (its record could not be written).
+        self._pause_unrecordable: str | None = None
         # A pause that failed may still have reached the engine (a timeout, a 5xx after
         # it acted): until a resume works, a release must still send one.
         self._resume_owed = False
@@ -103,11 +118,16 @@ class Actuators:
         self._reconcile_stale_pause()
 
     def _reconcile_stale_pause(self) -> None:
-        """Resume an engine an earlier kvguard paused and could not resume (it was killed)."""
+        """Resume an engine an earlier kvguard paused and could not resume (it was killed).
+
+        Without a record of one, ask the engine whether it is paused all the same.
+        """
         record = self.pause_record
-        if record is None or not record.paused:
-            return
         admin = self.admin
+        if record is None or not record.paused:
+            if admin is not None and admin.supports("pause"):
+                self._start(_PAUSE_TASK, self._check_paused_at_start())
+            return
         if admin is None or not admin.supports("resume"):
             log.warning(
                 "stale_pause_unresolved",
@@ -134,6 +154,10 @@ class Actuators:
         why = self._why_no_switch()
         if why is not None:
             out["kv_fp8"] = out["revert_kv_fp8"] = why
+        if self._pause_unrecordable is not None:
+            # Not an action of the ladder: listed so /status and the log say why the
+            # engine-side shed (and the drain by pause) did nothing.
+            out["engine_pause"] = self._pause_unrecordable
         return out
 
     def _why_no_switch(self) -> str | None:
@@ -260,6 +284,7 @@ class Actuators:
         self.paused = True
         result = await self.admin.pause()
         self.paused = result.ok
+        self._note_unrecorded(result)
         # A pause refused outright changes nothing (a resume still owed stays owed); one
         # that timed out or hit a transient error may have paused the engine.
         self._resume_owed = self._resume_owed or result.ok or result.uncertain
@@ -269,9 +294,40 @@ class Actuators:
         assert self.admin is not None  # noqa: S101 - launch checked it
         result = await self.admin.resume()
         self.paused = not result.ok
+        self.paused_elsewhere = self.paused_elsewhere and not result.ok
         # Failed: the next release tries again. An engine with no resume cannot be asked.
         self._resume_owed = not result.ok and result.supported
         self._admin_done(result)
+
+    def _note_unrecorded(self, result: AdminResult) -> None:
+        """Remember why a pause was refused unrecorded; a pause that was sent clears it."""
+        if result.unrecorded:
+            record = self.pause_record
+            where = record.write_error if record is not None else None
+            self._pause_unrecordable = (
+                "kvguard pauses the engine only once the pause is recorded in its state file,"
+                f" and {where or 'the record could not be written'}"
+                " (set KVGUARD_STATE_DIR or systemd's StateDirectory= to a writable folder)"
+            )
+        elif result.action == "pause" and result.supported:
+            self._pause_unrecordable = None
+
+    async def _check_paused_at_start(self) -> None:
+        """Say so when the engine is paused with no record of kvguard pausing it; leave it."""
+        admin = self.admin
+        assert admin is not None  # noqa: S101 - the caller checked it
+        # One task with the pauses and resumes: the answer cannot be kvguard's own pause.
+        if await admin.is_paused():
+            self.paused_elsewhere = True
+            log.warning(
+                "engine_paused_at_start",
+                engine=admin.url,
+                resumed=False,
+                reason="paused, and kvguard's state file has no record of kvguard pausing it:"
+                " someone else's pause is left to them",
+            )
+        if self._pause_wanted:  # a shed asked for meanwhile: this task carries it out
+            await self._follow_pause_wish()
 
     async def _resume_stale(self) -> None:
         await self._follow_pause_wish()

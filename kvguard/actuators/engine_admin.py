@@ -30,6 +30,13 @@ Why these choices:
   retried with backoff instead, as is SGLang's 400 "pending requests" refusal.
 * vLLM ``mode=wait`` stops admission and lets running requests finish; the call may
   answer only once they have, so a timeout is followed by ``GET /is_paused``.
+* No pause is sent unless ``on_pause_change(True)`` recorded it (kvguard's state
+  file): an unrecorded pause would stay in force after a kvguard killed meanwhile,
+  and the next kvguard would not know to resume it.
+* :meth:`EngineAdmin.is_paused` asks the engine itself: vLLM ``GET /is_paused``.
+  SGLang (checked in 0.5.23, ``http_server.py``) has no endpoint that says so:
+  ``GET /ready`` answers 503 when paused *or* unhealthy; llama.cpp, TGI and
+  TensorRT-LLM have no pause. Those answer None (unknown).
 * SGLang has no mode that lets running requests finish (``abort``, ``retract``,
   ``in_place``). ``in_place`` is the least destructive: nothing is aborted and no KV
   is recomputed; running requests stop where they are, new ones queue, and both
@@ -51,7 +58,7 @@ No method raises for engine or network failures: each returns an
 :class:`AdminResult`. The token is sent as ``Authorization: Bearer`` and appears
 in no detail or log line.
 
-One module of ~550 lines on purpose: the per-engine rules above share one retry and
+One module of ~600 lines on purpose: the per-engine rules above share one retry and
 one "unsupported, remembered" discipline, and most of its length is this table of
 the engines' behaviour.
 """
@@ -126,6 +133,8 @@ class AdminResult:
     # Not ok, yet an attempt may have reached the engine and acted: it timed out or got
     # a transient error (5xx, 429, a dropped connection) before the final answer.
     uncertain: bool = False
+    # A pause not sent because kvguard could not record it (its state file is unwritable).
+    unrecorded: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,8 +173,9 @@ class EngineAdmin:
     of attempts in total (at least 1), with ``backoff_s``, doubling, slept through
     ``sleep`` between them. ``on_pause_change`` is told ``True`` before a pause is
     sent and ``False`` after a resume that worked (kvguard records it in its state
-    file, :mod:`kvguard.actuators.state`). The HTTP session is made on first use;
-    :meth:`close` closes it.
+    file, :mod:`kvguard.actuators.state`); when it returns ``False`` for a pause, the
+    pause could not be recorded and is not sent. The HTTP session is made on first
+    use; :meth:`close` closes it.
     """
 
     def __init__(
@@ -178,7 +188,7 @@ class EngineAdmin:
         retries: int = 3,
         backoff_s: float = 0.5,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        on_pause_change: Callable[[bool], None] | None = None,
+        on_pause_change: Callable[[bool], bool | None] | None = None,
     ) -> None:
         base = URL(url)
         if base.scheme not in ("http", "https") or not base.host:
@@ -206,8 +216,11 @@ class EngineAdmin:
         self._backoff_s = backoff_s
         self._sleep = sleep
         # Told True before a pause is sent and False after a resume worked: kvguard's
-        # state file (kvguard.actuators.state), so a kvguard killed meanwhile resumes on restart.
-        self._on_pause_change = on_pause_change or (lambda _paused: None)
+        # state file (kvguard.actuators.state), so a kvguard killed meanwhile resumes on
+        # restart. False back for a pause: not recorded, so not sent.
+        self._on_pause_change: Callable[[bool], bool | None] = on_pause_change or (
+            lambda _paused: None
+        )
         self._session: aiohttp.ClientSession | None = None
         # Actions found missing on this engine (404/501), with the detail to repeat.
         self._unavailable: dict[str, str] = {}
@@ -216,6 +229,11 @@ class EngineAdmin:
     def kind(self) -> str:
         """The engine's kind, as given."""
         return self._kind
+
+    @property
+    def url(self) -> str:
+        """The engine's base URL, without a trailing slash."""
+        return self._base
 
     def supports(self, action: str) -> bool:
         """Whether ``action`` can work here: the kind offers it and it was not found missing."""
@@ -233,9 +251,19 @@ class EngineAdmin:
 
     async def pause(self) -> AdminResult:
         """Stop admitting new requests; running ones finish (vLLM) or wait in place (SGLang)."""
-        if self.supports("pause"):
-            # Before sending: the engine may pause without ever answering (mode=wait).
-            self._on_pause_change(True)
+        # Recorded before sending: the engine may pause without ever answering (mode=wait).
+        if self.supports("pause") and self._on_pause_change(True) is False:
+            # Never pause what a kvguard killed meanwhile would leave paused for good.
+            return AdminResult(
+                "pause",
+                False,
+                True,
+                "not paused: kvguard could not record the pause in its state file"
+                " (state_file_write_failed says why); unrecorded, a pause would outlive a"
+                " kvguard that dies, with nothing to resume it",
+                0,
+                unrecorded=True,
+            )
         if self._kind == "vllm":
             return await self._run("pause", self._vllm_pause)
         if self._kind == "sglang":
@@ -265,6 +293,31 @@ class EngineAdmin:
         if result.ok:
             self._on_pause_change(False)
         return result
+
+    async def is_paused(self) -> bool | None:
+        """Whether the engine says it is paused; None when it cannot say.
+
+        vLLM only (``GET /is_paused``, retried like an action). None for the other
+        kinds (no endpoint answers it: see the module doc), for a vLLM without dev
+        mode, and when no clear answer came. Asking changes nothing, so a 404 here is
+        not remembered as a missing action: the actions find out for themselves.
+        """
+        if self._kind != "vllm" or "pause" in self._unavailable:
+            return None
+        ran = await retry(
+            lambda: self._send("GET", "/is_paused"),
+            attempts=self._retries,
+            backoff_s=self._backoff_s,
+            retryable=lambda reply: (
+                isinstance(reply, _NoReply) or reply.status == 429 or reply.status >= 500
+            ),
+            sleep=self._sleep,
+        )
+        reply = ran.outcome
+        if not isinstance(reply, _Reply) or not reply.success:
+            return None
+        value = _json_object(reply.text).get("is_paused")
+        return value if isinstance(value, bool) else None
 
     async def close(self) -> None:
         """Close the HTTP session (a later call opens a new one)."""

@@ -8,7 +8,8 @@ false and nothing reads it as a rule.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,6 +28,18 @@ def rank(priority: str) -> int:
     return PRIORITIES.index(priority) if priority in PRIORITIES else 1
 
 
+# Where a request's API key can be, as the engines read it: vLLM, SGLang and TGI take
+# `Authorization: Bearer <key>` (a scheme RFC 7235 makes case-insensitive); llama-server
+# also takes a bare `Authorization: <key>` and `X-Api-Key: <key>` (Anthropic's header).
+# The map must see every spelling an engine accepts, or a client mapped to sheddable
+# could pass the engine's check under a spelling the map misses, and escape its class.
+_API_KEY_HEADER = "x-api-key"
+_AUTHORIZATION = "authorization"
+# RFC 7235: the scheme is case-insensitive and followed by one or more spaces; tabs
+# tolerated too (only a mapped key ever matches, so tolerance cannot lift a client).
+_WHITESPACE = re.compile(r"[ \t]+")
+
+
 def request_priority(
     headers: Mapping[str, str],
     header: str,
@@ -37,18 +50,38 @@ def request_priority(
 ) -> str:
     """A request's class: its API key's mapping, else the priority header, else ``default``.
 
+    The key is looked for wherever an engine reads one: ``Authorization: Bearer <key>``
+    (the scheme in any case, any run of blanks), a bare ``Authorization: <key>`` and
+    ``X-Api-Key: <key>``, in every copy of those headers. When several mapped keys are
+    present the lowest class wins, so adding a header can never raise a request.
+
     With ``trust_header`` false the header is ignored: any client can send it, and
     ``critical`` is never shed.
     """
-    auth = headers.get("Authorization", "")
-    if api_keys and auth.startswith("Bearer "):
-        mapped = api_keys.get(auth.removeprefix("Bearer ").strip())
+    if api_keys:
+        mapped = [api_keys[key] for key in _presented_keys(headers) if key in api_keys]
         if mapped:
-            return mapped
+            return min(mapped, key=rank)
     if not trust_header:
         return default
     value = headers.get(header, "").strip().lower()
     return value if value in PRIORITIES else default
+
+
+def _presented_keys(headers: Mapping[str, str]) -> Iterator[str]:
+    """Every credential the request carries where an engine would read an API key."""
+    # items(), not get(): a multidict yields every copy of a repeated header, and a
+    # plain mapping (tests, callers) is matched without regard to the name's case.
+    for name, value in headers.items():
+        lowered = name.lower()
+        if lowered == _API_KEY_HEADER:
+            yield value.strip(" \t")
+        elif lowered == _AUTHORIZATION:
+            parts = _WHITESPACE.split(value.strip(" \t"))
+            if len(parts) == 2 and parts[0].lower() == "bearer":
+                yield parts[1]
+            elif len(parts) == 1:
+                yield parts[0]  # llama-server accepts the key without a scheme
 
 
 @dataclass
@@ -71,6 +104,10 @@ class Mitigations:
     # Starts an asynchronous action (evict, kv_fp8, revert_kv_fp8, and the engine-side
     # shed); returns whether it started. Connected by the assembly when actuators exist.
     launch: Callable[[Action], bool] | None = field(default=None, repr=False)
+    # Who says the engine is restarting now ("crash": the supervisor; "reconfigure": the
+    # fp8 switch) -> the seconds to tell clients. Not a rule, a fact: the proxy's 502s
+    # meanwhile carry Retry-After, in dry-run too.
+    restarting: dict[str, int] = field(default_factory=dict)
 
     def connect(self, *, launch: Callable[[Action], bool]) -> None:
         """Start asynchronous actions through ``launch`` (the actuators, built after this).
@@ -80,6 +117,18 @@ class Mitigations:
         start the actuators' actions.
         """
         self.launch = launch
+
+    def engine_restarting(self, source: str, retry_after_s: int | None) -> None:
+        """Mark the engine restarting, as ``source`` knows it (None: no longer)."""
+        if retry_after_s is None:
+            self.restarting.pop(source, None)
+        else:
+            self.restarting[source] = max(1, retry_after_s)
+
+    @property
+    def restart_retry_after_s(self) -> int | None:
+        """Retry-After for kvguard's own errors while the engine restarts; None when not."""
+        return max(self.restarting.values()) if self.restarting else None
 
     def apply(
         self, actions: Iterable[Action], level: str, retry_after_s: int

@@ -10,7 +10,8 @@ restart (:meth:`Reconfigurer.switch`):
 3. restart the engine with the fp8 flags of its kind (or, to revert, its original
    ones) — through the supervisor, a systemd drop-in, or a command of yours;
 4. wait for it to answer healthy, up to ``start_timeout_s``, and check the cache dtype
-   it reports (where it reports one);
+   it reports (where it reports one); from the restart until then ``on_restarting``
+   says so (the proxy's ``502`` answers carry ``Retry-After``);
 5. re-admit. A failed restart rolls back to the original flags and raises a critical
    event; admission is re-opened whatever happened.
 
@@ -20,6 +21,7 @@ No shell anywhere: commands are argv lists, the environment carries the change.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections import Counter
@@ -270,7 +272,11 @@ class ReconfigureTimes:
 
 
 class Reconfigurer:
-    """Runs the drain → restart → verify → re-admit sequence, one at a time."""
+    """Runs the drain → restart → verify → re-admit sequence, one at a time.
+
+    ``on_restarting`` is told the seconds clients should wait when the restart
+    begins, and None when the switch ends (the engine healthy, or given up on).
+    """
 
     def __init__(
         self,
@@ -282,8 +288,10 @@ class Reconfigurer:
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        on_restarting: Callable[[int | None], None] | None = None,
     ) -> None:
         self.restarter = restarter
+        self.on_restarting = on_restarting or (lambda _retry_after_s: None)
         self.drain = drain
         self.engine_stats = engine_stats
         self.times = times
@@ -339,6 +347,7 @@ class Reconfigurer:
             )
             return ReconfigureResult(action, "succeeded", detail, drain_s, cancelled, dtype)
         finally:
+            self.on_restarting(None)
             await self.drain.readmit()
 
     async def _wait_for_drain(self) -> tuple[float, int]:
@@ -356,6 +365,9 @@ class Reconfigurer:
 
     async def _restart(self, *, fp8: bool) -> str | None:
         """Restart and wait healthy; the engine's dtype, checked where it says one."""
+        # The engine is down from here until healthy: as long as it may take to start,
+        # capped at 60 s as the drain's answers are (OpenAI's SDK ignores longer ones).
+        self.on_restarting(max(1, min(60, math.ceil(self.times.start_timeout_s))))
         await self.restarter.apply(fp8=fp8)
         stats = await self._wait_healthy()
         dtype = stats.cache_dtype

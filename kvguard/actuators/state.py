@@ -6,7 +6,9 @@ engine (``shed_by_pause``, or the drain of the fp8 switch without the proxy) sta
 paused after a SIGKILL or an OOM kill of kvguard, and refuses every request until
 someone resumes it. So before kvguard pauses an engine it writes that down, and it
 clears the note once a resume worked; a kvguard that starts and finds the note for
-its engine resumes it (``stale_pause_resumed``) before doing anything else.
+its engine resumes it (``stale_pause_resumed``) before doing anything else. A pause
+that cannot be written down is not sent at all: kvguard never pauses what a
+successor could not know to resume.
 
 The file is ``state.json`` in the first of:
 
@@ -23,8 +25,8 @@ mid-write leaves the old file or the new one, never half of one. Several kvguard
 one host (one per engine) share the file: each read-modify-write holds an exclusive
 ``flock`` on ``.state.lock`` beside it, so no one's entry is lost to another's write.
 A file that cannot be read or parsed is logged (``state_file_unreadable``) and treated
-as empty; a write that fails is logged (``state_file_write_failed``) and never stops
-the action.
+as empty; a write that fails is logged (``state_file_write_failed``), and when it is
+the note of a pause, the pause is refused (:class:`EnginePauseRecord` says why).
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ STATE_VERSION = 1
 # A state file this large is not ours: refuse to read it rather than load it all.
 _MAX_STATE_BYTES = 1024 * 1024
 LOCK_FILE_NAME = ".state.lock"
-# Another kvguard holds the lock for one small write: milliseconds. Past this, write
-# anyway (logged): a pause must never wait on a stuck neighbour, and the wait runs on
-# the event loop (the proxy and the ticks wait with it).
+# Another kvguard holds the lock for one small write: milliseconds. Past this, the write
+# fails (logged) rather than wait longer: the wait runs on the event loop (the proxy
+# and the ticks wait with it), and an unlocked write could drop the neighbour's note.
 _LOCK_WAIT_S = 0.25
 
 
@@ -75,6 +77,8 @@ class StateFile:
     def __init__(self, path: Path, *, wall_clock: Callable[[], float] = time.time) -> None:
         self.path = path
         self.wall_clock = wall_clock
+        # Why the last write failed (the path and the OS's reason); None after one that worked.
+        self.write_error: str | None = None
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> StateFile:
@@ -115,7 +119,13 @@ class StateFile:
 
     def set_engine_paused(self, engine_url: str, paused: bool) -> bool:
         """Record (or clear) that kvguard paused ``engine_url``; False when the write failed."""
-        with self._locked():
+        with self._locked() as refused:
+            if refused is not None:
+                # Written unlocked, another kvguard's note written meanwhile could be
+                # lost, and the engine it paused never resumed: a failed write instead
+                # (a pause is then not sent; a clear leaves a note whose resume is safe).
+                self.write_error = refused
+                return False
             doc = self.load()
             engines = doc.get("engines")
             engines = dict(engines) if isinstance(engines, dict) else {}
@@ -124,45 +134,61 @@ class StateFile:
             elif engine_url in engines:
                 del engines[engine_url]
             else:
+                self.write_error = None
                 return True  # nothing recorded, nothing to write
             return self._write({"version": STATE_VERSION, "engines": engines})
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> Iterator[str | None]:
         """Hold the exclusive lock beside the file for one read-modify-write.
 
         Without it, two kvguards marking two engines at once could each read the old
-        document and the second write would drop the first one's entry. When the lock
-        cannot be had (a lock file kvguard may not open, a holder stuck for
-        ``_LOCK_WAIT_S``), the write goes ahead unlocked, logged: the note matters more
-        than the race.
+        document and the second write would drop the first one's entry. Yields None
+        when the caller may write, else why it may not: the lock file cannot be opened
+        (``state_file_lock_unavailable``) or a holder keeps the lock past
+        ``_LOCK_WAIT_S`` (``state_file_lock_timeout``). A folder that cannot be made
+        yields None: the write then fails and says why (``state_file_write_failed``).
         """
         directory = self.path.parent
         try:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError:
-            yield  # the write will fail too, and say why
+            yield None  # the write fails too, and says why
             return
+        lock = directory / LOCK_FILE_NAME
         try:
-            fd = os.open(directory / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             log.warning("state_file_lock_unavailable", path=str(self.path), error=exc.strerror)
-            yield
+            yield f"cannot lock {lock}: {exc.strerror}"
             return
         try:
-            deadline = time.monotonic() + _LOCK_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        log.warning("state_file_lock_timeout", path=str(self.path))
-                        break
-                    time.sleep(0.005)  # a neighbour's write takes milliseconds
-            yield
+            if self._wait_for_lock(fd):
+                yield None
+            else:
+                log.warning("state_file_lock_timeout", path=str(self.path))
+                yield f"cannot lock {lock}: another kvguard held it past {_LOCK_WAIT_S:g} s"
         finally:
             os.close(fd)  # closing releases the lock
+
+    @staticmethod
+    def _wait_for_lock(fd: int) -> bool:
+        """Take the lock on ``fd`` within ``_LOCK_WAIT_S``; whether it was had."""
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while not StateFile._try_lock(fd):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)  # a neighbour's write takes milliseconds
+        return True
+
+    @staticmethod
+    def _try_lock(fd: int) -> bool:
+        """Take the lock on ``fd`` if it is free now."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
 
     def _write(self, doc: dict[str, Any]) -> bool:
         directory = self.path.parent
@@ -180,11 +206,13 @@ class StateFile:
             _fsync_dir(directory)  # the rename itself survives a power cut
         except OSError as exc:
             log.warning("state_file_write_failed", path=str(self.path), error=exc.strerror)
+            self.write_error = f"cannot write {self.path}: {exc.strerror}"
             return False
         finally:
             if partial is not None:
                 with contextlib.suppress(OSError):
                     Path(partial).unlink()
+        self.write_error = None
         return True
 
 
@@ -216,6 +244,16 @@ class EnginePauseRecord:
         """Whether the file says kvguard left this engine paused."""
         return self.state.engine_paused(self.engine_url)
 
-    def mark(self, paused: bool) -> None:
-        """Record a pause about to be sent (True) or a resume that worked (False)."""
-        self.state.set_engine_paused(self.engine_url, paused)
+    @property
+    def write_error(self) -> str | None:
+        """Why the last note could not be written (path and reason); None when it was."""
+        return self.state.write_error
+
+    def mark(self, paused: bool) -> bool:
+        """Record a pause about to be sent (True) or a resume that worked (False).
+
+        Returns whether the note is on disk. :class:`~kvguard.actuators.engine_admin.EngineAdmin`
+        sends no pause when it is not: a kvguard killed while holding the engine
+        paused would leave its successor no note to resume it by.
+        """
+        return self.state.set_engine_paused(self.engine_url, paused)

@@ -6,7 +6,9 @@ shell), passes its output through to kvguard's stderr line by line, and watches 
 * an exit kvguard did not ask for is a crash: it is counted
   (``kvguard_engine_restarts_total{reason="crash"|"oom"}``), and the engine is started
   again after a backoff that doubles per crash in a row (1 s … 60 s), reset once the
-  engine has stayed up for a minute;
+  engine has stayed up for a minute; from the crash until the new engine answers
+  healthy, ``on_restarting`` says so (the admission proxy's ``502`` answers meanwhile
+  carry ``Retry-After``);
 * a CUDA out-of-memory in its output (PyTorch's ``OutOfMemoryError``, CUDA's
   ``out of memory``, cuBLAS allocation failures) marks the crash as ``oom`` and counts
   ``kvguard_engine_oom_total`` even when the engine survives it;
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import math
 import os
 import re
 import signal
@@ -50,6 +53,10 @@ BACKOFF_MAX_S = 60.0
 STABLE_AFTER_S = 60.0  # up this long: the next crash starts the backoff afresh
 OOM_RECENT_S = 30.0  # an OOM line this close to an exit makes it an OOM exit
 RESTART_REASONS = ("crash", "oom", "reconfigure")  # why the engine was restarted
+# The Retry-After clients get while a crashed engine restarts: at least the backoff (the
+# engine cannot be back sooner), and never under this (how soon it comes up is unknown).
+RESTART_RETRY_AFTER_MIN_S = 5
+HEALTH_POLL_S = 0.5  # how often a restarted engine is asked whether it is up yet
 
 EventSink = Callable[[str, dict[str, Any]], None]
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -85,7 +92,12 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
 
 
 class Supervisor:
-    """One engine process: started, watched, restarted on a crash, stopped with kvguard."""
+    """One engine process: started, watched, restarted on a crash, stopped with kvguard.
+
+    ``on_restarting`` and ``healthy`` (both optional) mark a crash restart for the
+    proxy: told a Retry-After in seconds at the crash, and None once ``healthy()``
+    says the new engine answers (it is polled every :data:`HEALTH_POLL_S` until then).
+    """
 
     def __init__(
         self,
@@ -97,6 +109,8 @@ class Supervisor:
         output: IO[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        on_restarting: Callable[[int | None], None] | None = None,
+        healthy: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         if not argv:
             raise KvguardError("the engine command is empty: give it after `--`")
@@ -107,6 +121,10 @@ class Supervisor:
         self.output = output if output is not None else sys.stderr
         self.clock = clock
         self.sleep = sleep
+        # Told the seconds clients should wait when a crash restart begins, and None once
+        # the engine answers ``healthy`` again (without ``healthy``: once it is spawned).
+        self.on_restarting = on_restarting or (lambda _retry_after_s: None)
+        self.healthy = healthy
         self.restarts: Counter[str] = Counter()  # reason (RESTART_REASONS) -> restarts
         self.ooms = 0
         self.last_exit_code: int | None = None
@@ -155,6 +173,9 @@ class Supervisor:
         async with self._spawning:
             await self._terminate()
             await self._spawn()
+        # A crash restart this one replaced is over: the caller (the fp8 switch) waits
+        # for health and marks its own restart.
+        self.on_restarting(None)
         self.on_event("engine_restarted", {"reason": "reconfigure", "pid": self.pid})
 
     async def stop(self) -> None:
@@ -166,6 +187,7 @@ class Supervisor:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.on_restarting(None)  # stopped for good: no restart to wait for
 
     # ------------------------------------------------------------------ internals
     async def _spawn(self) -> None:
@@ -249,6 +271,7 @@ class Supervisor:
         while not self._closing:
             delay = min(BACKOFF_MAX_S, self.backoff_s * 2**self._crashes_in_a_row)
             self._crashes_in_a_row += 1
+            self.on_restarting(max(RESTART_RETRY_AFTER_MIN_S, math.ceil(delay)))
             await self.sleep(delay)
             async with self._spawning:
                 if self._closing or self._process is not process:
@@ -259,4 +282,26 @@ class Supervisor:
                     # Keep trying after the next backoff rather than giving the engine up.
                     log.error("engine_restart_failed", error=str(exc))  # noqa: TRY400 - one line says it
                     continue
+                spawned = self._process
+            await self._until_healthy(spawned)
             return
+
+    async def _until_healthy(self, process: asyncio.subprocess.Process | None) -> None:
+        """Hold the restarting mark until ``process`` answers healthy; then lift it.
+
+        Left as it is when ``process`` exits first (its own watcher restarts it and
+        keeps the mark) or is replaced by a reconfigure (which lifted the mark).
+        """
+        check = self.healthy
+        while check is not None:
+            if self._closing:
+                return  # stop() lifts it
+            if process is not self._process or process is None or process.returncode is not None:
+                return
+            try:
+                if await check():
+                    break
+            except Exception:  # a check that fails means "not up yet"
+                log.debug("engine_health_check_failed", exc_info=True)
+            await self.sleep(HEALTH_POLL_S)
+        self.on_restarting(None)

@@ -8,20 +8,22 @@ holds at most ``queue_size`` events; past that the oldest is dropped (counted in
 
 The body is a compact JSON object with sorted keys, in UTF-8::
 
-    {"at":"2026-11-30T18:29:31.123Z","event":"level_changed","kvguard_version":"0.1.0",...}
+    {"at":"2026-11-30T18:29:31.123Z","event":"level_changed",
+     "event_id":"0b8e…","kvguard_version":"0.1.0",...}
 
-with the event's fields beside ``event``, ``at`` (RFC 3339, UTC, when ``notify``
-was called) and ``kvguard_version``. Headers: ``Content-Type: application/json``,
-``User-Agent: kvguard/<version>``, ``X-Kvguard-Event: <event>`` and, when a
-secret is configured, ``X-Kvguard-Signature: sha256=<hex>``: the HMAC-SHA256 of
-the exact body bytes under the secret (its UTF-8 bytes, used as given). A
-receiver verifies it over the raw body, before parsing it::
-
-    import hashlib, hmac
-
-    def verified(secret: bytes, body: bytes, header: str) -> bool:
-        expected = "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
-        return hmac.compare_digest(expected, header)
+(on one line), with the event's fields beside ``event``, ``event_id`` (a random
+UUID, the same in every attempt and for every URL, so a receiver can tell a retry or
+a replay from a new event), ``at`` (RFC 3339, UTC, when ``notify`` was called) and
+``kvguard_version``. Headers: ``Content-Type: application/json``,
+``User-Agent: kvguard/<version>``, ``X-Kvguard-Event: <event>`` and, when a secret
+is configured, ``X-Kvguard-Signature: t=<unix seconds>,v1=<hex>``: ``t`` is when
+this attempt was sent, and ``v1`` the HMAC-SHA256, under the secret (its UTF-8
+bytes), of ``t``, a ``.`` and the exact body bytes. A receiver verifies the
+signature over the raw body before parsing it, refuses a ``t`` further than a
+tolerance (5 minutes) from its clock, and acts on each ``event_id`` once: that stops
+a captured delivery from being replayed. ``docs/examples/webhook_receiver.py`` does
+all three (docs/integrations.md, "Webhooks"). Each attempt is signed afresh, so a
+delivery retried after a long backoff is not stale.
 
 A 2xx answer is a delivery. A 5xx or 429 answer, a timeout (``timeout_s`` per
 attempt) or a connection error is retried up to ``retries`` more times, waiting
@@ -43,6 +45,7 @@ import hmac
 import json
 import math
 import time
+import uuid
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -53,6 +56,7 @@ from yarl import URL
 
 from kvguard import __version__
 from kvguard.actuators.retry import retry
+from kvguard.config.secrets import WEBHOOK_SECRET_MIN_BYTES
 from kvguard.errors import InvalidInputError
 from kvguard.http_client import client_session
 
@@ -75,11 +79,12 @@ class WebhookSettings:
     ``retries`` counts attempts *after* the first, so an event gets at most
     ``1 + retries`` attempts per URL (0 means one try, no retry); the waits between
     attempts are ``backoff_s``, ``2 * backoff_s``, ``4 * backoff_s`` ... ``secret``
-    is the HMAC key, already read from its file; it never appears in the repr, in a
-    log or in an error. ``queue_size`` bounds the events waiting for each URL. One
-    event can hold its URL's queue for at most ``(1 + retries) * timeout_s`` plus
-    ``backoff_s * (2**retries - 1)`` seconds; events behind it wait (other URLs do
-    not), so keep that product modest. A URL listed twice is posted to once.
+    is the HMAC key (at least ``WEBHOOK_SECRET_MIN_BYTES`` bytes), already read from
+    its file; it never appears in the repr, in a log or in an error. ``queue_size``
+    bounds the events waiting for each URL. One event can hold its URL's queue for at
+    most ``(1 + retries) * timeout_s`` plus ``backoff_s * (2**retries - 1)`` seconds;
+    events behind it wait (other URLs do not), so keep that product modest. A URL
+    listed twice is posted to once.
     """
 
     urls: tuple[str, ...]
@@ -107,8 +112,15 @@ class WebhookSettings:
             raise InvalidInputError("webhook backoff_s", self.backoff_s, "must be >= 0")
         if self.queue_size < 1:
             raise InvalidInputError("webhook queue_size", self.queue_size, "must be >= 1")
-        if self.secret == "":
-            raise InvalidInputError("webhook secret", "(empty)", "must not be empty when set")
+        secret_bytes = None if self.secret is None else len(self.secret.encode("utf-8"))
+        if secret_bytes is not None and secret_bytes < WEBHOOK_SECRET_MIN_BYTES:
+            # An HMAC key is only as strong as it is long: a short one can be guessed
+            # offline from one captured delivery. Only its length is shown, never it.
+            raise InvalidInputError(
+                "webhook secret",
+                f"({secret_bytes} bytes)",
+                f"must hold at least {WEBHOOK_SECRET_MIN_BYTES} bytes",
+            )
 
     def __repr__(self) -> str:
         # Hand-written so neither the secret nor a token in a URL reaches a log or traceback.
@@ -132,15 +144,24 @@ def redact_url(url: str) -> str:
         return "<unparseable url>"
 
 
-def sign(secret: str, body: bytes) -> str:
-    """The ``X-Kvguard-Signature`` value for ``body``: ``sha256=<hex HMAC>``."""
-    digest = hmac.new(secret.encode("utf-8"), body, hashlib.sha256).hexdigest()
-    return f"sha256={digest}"
+def sign(secret: str, body: bytes, timestamp: int) -> str:
+    """The ``X-Kvguard-Signature`` value for ``body`` sent at ``timestamp`` (Unix seconds).
+
+    ``t=<timestamp>,v1=<hex>``, where ``v1`` is the HMAC-SHA256 under ``secret`` of
+    ``b"<timestamp>." + body``: the time is signed with the body, so neither can be
+    swapped for another's.
+    """
+    signed = f"{timestamp}.".encode("ascii") + body
+    digest = hmac.new(secret.encode("utf-8"), signed, hashlib.sha256).hexdigest()
+    return f"t={timestamp},v1={digest}"
 
 
 @dataclass(frozen=True)
 class _Event:
-    """One rendered event: the same bytes go to every URL and every attempt."""
+    """One rendered event: the same body to every URL and every attempt.
+
+    ``headers`` lack the signature, which each attempt adds with its own timestamp.
+    """
 
     name: str
     body: bytes
@@ -198,8 +219,8 @@ class Webhooks:
 
         Fields are made JSON-safe on the way (enums by value, datetimes as ISO 8601,
         NaN and infinities as null, anything else unknown as its ``str``). The
-        envelope keys ``event``, ``at`` and ``kvguard_version`` win over fields of
-        the same name, so receivers can rely on them.
+        envelope keys ``event``, ``event_id``, ``at`` and ``kvguard_version`` win
+        over fields of the same name, so receivers can rely on them.
         """
         if not self._targets:
             return
@@ -236,6 +257,8 @@ class Webhooks:
         payload = {str(key): _jsonable(value) for key, value in fields.items()}
         payload.update(
             event=str(event),
+            # Random, not a counter: ids stay unique across kvguard restarts and replicas.
+            event_id=str(uuid.uuid4()),
             at=at.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             kvguard_version=__version__,
         )
@@ -247,8 +270,6 @@ class Webhooks:
             "User-Agent": USER_AGENT,
             EVENT_HEADER: str(event),
         }
-        if self.settings.secret is not None:
-            headers[SIGNATURE_HEADER] = sign(self.settings.secret, body)
         return _Event(name=str(event), body=body, headers=headers)
 
     # ------------------------------------------------------------------ lifecycle
@@ -342,11 +363,18 @@ class Webhooks:
         """One POST: its status, or None and a loggable reason when it got no answer."""
         if self._session is None:  # pragma: no cover -- senders run only between start and close
             return None, "not started"
+        headers = dict(event.headers)
+        if self.settings.secret is not None:
+            # Signed per attempt, not per event: the timestamp says when this attempt
+            # left, so receivers can hold a tight tolerance however long retries took.
+            headers[SIGNATURE_HEADER] = sign(
+                self.settings.secret, event.body, int(self._wall_clock())
+            )
         try:
             async with self._session.post(
                 target.url,
                 data=event.body,
-                headers=event.headers,
+                headers=headers,
                 timeout=self._timeout,
                 allow_redirects=False,
             ) as response:

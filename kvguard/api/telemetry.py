@@ -1,21 +1,17 @@
-"""kvguard's own metrics and logs.
+"""kvguard's own metrics.
 
 :class:`DaemonCollector` reads the daemon's latest state at scrape time (no
 background updates, nothing to go stale between ticks) and yields every
 ``kvguard_*`` series; docs/metrics.md lists them. A value kvguard does not know is
-left out, never exported as 0. :func:`configure_logging` sets up structlog: JSON
-lines when stderr is not a terminal, a readable console otherwise.
+left out, never exported as 0. The logs are set up in :mod:`kvguard.api.logs`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import structlog
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -44,8 +40,9 @@ REJECT_REASONS = (
     "bad_target",  # 400: an absolute-URI or asterisk target
     "bad_header",  # 400: a control character or non-UTF-8 bytes in a header value
     "bad_path",  # 400: a path an engine could read as another one
-    "path_not_allowed",  # 404: outside [proxy] allowed_paths
+    "path_not_allowed",  # 404: no route of the engine, nor in [proxy] allowed_paths
     "path_blocked",  # 403: an engine admin path ([proxy] blocked_paths)
+    "content_encoding",  # 415: a compressed request body (it cannot pass as sent)
 )
 
 
@@ -383,7 +380,7 @@ class DaemonCollector(Collector):
         )
         yield counter_family(
             "kvguard_proxy_errors",
-            "Proxy answers of its own: 413, 502, 504.",
+            "Proxy answers of its own: 408, 413, 503 (body memory full), 502, 504.",
             ["code"],
             counters.upstream_errors,
         )
@@ -429,22 +426,3 @@ def daemon_registry(daemon: Daemon) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(daemon))
     return registry
-
-
-def configure_logging(level: str = "info", fmt: str = "auto") -> None:
-    """Send structlog events to stderr: JSON lines, or a console renderer on a terminal."""
-    console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
-    renderer: structlog.types.Processor = (
-        structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
-    )

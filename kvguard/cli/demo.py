@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvguard.actuators.proxy import ProxyCounters
-from kvguard.api.telemetry import configure_logging
+from kvguard.api.logs import configure_logging
 from kvguard.cli.demo_view import (
     LiveView,
     StatusSample,

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from kvguard.api.telemetry import configure_logging
+from kvguard.api.logs import configure_logging
 from kvguard.config.settings import config_for_engine
 from kvguard.core.snapshot import ENGINE_KINDS, EngineStats
 from kvguard.core.units import format_bytes

@@ -9,8 +9,8 @@ from typing import Any
 
 import structlog
 
-from kvguard.api.telemetry import configure_logging
-from kvguard.config.settings import Config, load_config
+from kvguard.api.logs import configure_logging
+from kvguard.config.settings import Config, exposed_secrets, load_config
 from kvguard.core.snapshot import Snapshot
 from kvguard.errors import ConfigError, KvguardError
 from kvguard.runtime.assembly import build_guard
@@ -34,6 +34,12 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         help="decide, count and report every action; block or change nothing",
     )
     run.add_argument(
+        "--strict-secrets",
+        action="store_true",
+        help="refuse a config whose secret files (engine token, control token, webhook"
+        " secret) their group or others may read, at start and on reload (default: warn)",
+    )
+    run.add_argument(
         "engine_command",
         nargs=argparse.REMAINDER,
         metavar="-- ENGINE COMMAND",
@@ -45,8 +51,9 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
 
 def run_daemon(args: argparse.Namespace) -> int:
     """Load the config and serve until SIGTERM/SIGINT."""
-    config = load_config(args.config)
+    config = load_config(args.config, strict_secrets=args.strict_secrets)
     configure_logging(config.log.level, config.log.format)
+    warn_exposed_secrets(config)
     command = list(args.engine_command or ())
     if command[:1] == ["--"]:
         command = command[1:]
@@ -56,8 +63,22 @@ def run_daemon(args: argparse.Namespace) -> int:
             config_path=config.source,
             dry_run=args.dry_run,
             engine_command=command or None,
+            strict_secrets=args.strict_secrets,
         )
     )
+
+
+def warn_exposed_secrets(config: Config) -> None:
+    """Log ``secret_file_exposed`` for each secret file its group or others may read."""
+    for exposed in exposed_secrets(config):
+        # The file's name and mode only: never its contents.
+        log.warning(
+            "secret_file_exposed",
+            field=exposed.field,
+            path=exposed.name,
+            mode=f"{exposed.mode:04o}",
+            hint="chmod 600 it; kvguard run --strict-secrets refuses such files",
+        )
 
 
 async def serve(
@@ -66,10 +87,13 @@ async def serve(
     config_path: str | None,
     dry_run: bool = False,
     engine_command: list[str] | None = None,
+    strict_secrets: bool = False,
 ) -> int:
     """The guard (:func:`~kvguard.runtime.assembly.build_guard`), until SIGTERM/SIGINT.
 
-    SIGHUP reloads ``config_path``; SIGTERM/SIGINT stop everything, the engine last.
+    SIGHUP reloads ``config_path`` (with ``strict_secrets``, refusing a new config
+    whose secret files others may read); SIGTERM/SIGINT stop everything, the engine
+    last.
     """
     notifier = SystemdNotifier.from_environment()
     guard = build_guard(config, dry_run=dry_run, engine_command=engine_command)
@@ -89,7 +113,9 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, guard.stop)
     if config_path:
-        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(daemon, config_path, notifier))
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: _reload(daemon, config_path, notifier, strict_secrets)
+        )
     started = False
 
     def after_tick(_: Snapshot) -> None:
@@ -115,12 +141,15 @@ async def serve(
     return 0
 
 
-def _reload(daemon: Daemon, path: str, notifier: SystemdNotifier) -> None:
+def _reload(
+    daemon: Daemon, path: str, notifier: SystemdNotifier, strict_secrets: bool = False
+) -> None:
     notifier.reloading()
     try:
-        new = load_config(path)
+        new = load_config(path, strict_secrets=strict_secrets)
         daemon.reload(new)
         configure_logging(new.log.level, new.log.format)  # [log] applies on reload too
+        warn_exposed_secrets(new)
     except KvguardError as exc:
         problems = exc.lines() if isinstance(exc, ConfigError) else [str(exc)]
         log.error(  # noqa: TRY400 - the problems are the message; a traceback would bury them

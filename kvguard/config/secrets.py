@@ -2,18 +2,27 @@
 
 Each comes from a file named in the config (relative to the config file's folder) or
 from the environment, never from the TOML itself, and is held in a :class:`Secret`,
-which no log line, status page or repr shows.
+which no log line, status page or repr shows. A secret file that its group or others
+may read is found by :func:`exposed_secret_files`: a warning, or with
+``--strict-secrets`` a config error.
 """
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 TOKEN_ENV = "KVGUARD_ENGINE_TOKEN"  # noqa: S105 - the variable's name, not a secret
 CONTROL_TOKEN_ENV = "KVGUARD_CONTROL_TOKEN"  # noqa: S105 - the variable's name, not a secret
 # A bearer token anyone can guess is no lock: at least this many characters.
 CONTROL_TOKEN_MIN_CHARS = 16
+# An HMAC key shorter than the hash's 32-byte output can be guessed offline from one
+# signed delivery; RFC 2104 asks for at least the output length.
+WEBHOOK_SECRET_MIN_BYTES = 32
+# The bits that let someone other than the file's owner read it.
+_READABLE_BY_OTHERS = stat.S_IRGRP | stat.S_IROTH
 
 
 class Secret:
@@ -43,8 +52,7 @@ def _secret_file(
     field_name: str, name: str, base: Path, *, one_line: bool
 ) -> tuple[Secret | None, Problem | None]:
     """A secret read from file ``name`` (relative to the config file's folder)."""
-    path = Path(name)
-    path = path if path.is_absolute() else base / path
+    path = _resolve(name, base)
     try:
         text = path.read_text(encoding="utf-8").strip()
     except OSError as exc:
@@ -77,7 +85,18 @@ def read_secret(webhook: dict[str, object], base: Path) -> tuple[Secret | None, 
     secret_file = webhook.get("secret_file")
     if not isinstance(secret_file, str):
         return None, None
-    return _secret_file("webhook.secret_file", secret_file, base, one_line=False)
+    secret, problem = _secret_file("webhook.secret_file", secret_file, base, one_line=False)
+    if secret is None or problem is not None:
+        return secret, problem
+    held = len(secret.reveal().encode("utf-8"))
+    if held < WEBHOOK_SECRET_MIN_BYTES:
+        return None, (
+            "webhook.secret_file",
+            secret_file,
+            f"must hold at least {WEBHOOK_SECRET_MIN_BYTES} bytes, not {held}"
+            " (e.g. `openssl rand -hex 32 > FILE`, 64 characters)",
+        )
+    return secret, None
 
 
 def read_control_token(
@@ -107,6 +126,53 @@ def read_control_token(
             " (e.g. from `openssl rand -hex 32`)",
         )
     return token, None
+
+
+@dataclass(frozen=True)
+class ExposedSecretFile:
+    """A secret file that its group or others may read: the ``field`` naming it, its mode.
+
+    ``name`` is the file as the config gives it. It is not itself a secret, so logs
+    and ``kvguard check-config`` show it (``/status`` still masks the control token's).
+    """
+
+    field: str
+    name: str
+    mode: int
+
+    def problem(self) -> Problem:
+        """As a config problem: the field, the file, and what is allowed."""
+        return (
+            self.field,
+            self.name,
+            f"must be readable by its owner only, not mode {self.mode:04o}"
+            " (`chmod 600` it, or `chmod 400`)",
+        )
+
+
+def exposed_secret_files(named: Mapping[str, object], base: Path) -> list[ExposedSecretFile]:
+    """The files of ``named`` (field: file name, or None) that group or others may read.
+
+    Names are relative to ``base``, as the secrets are read. A file that cannot be
+    looked at is left out: reading the secret reports it.
+    """
+    exposed: list[ExposedSecretFile] = []
+    for field_name, name in named.items():
+        if not isinstance(name, str):
+            continue
+        try:
+            mode = stat.S_IMODE(_resolve(name, base).stat().st_mode)  # follows links, as a read
+        except OSError:
+            continue
+        if mode & _READABLE_BY_OTHERS:
+            exposed.append(ExposedSecretFile(field_name, name, mode))
+    return exposed
+
+
+def _resolve(name: str, base: Path) -> Path:
+    """File ``name``, relative to the config file's folder ``base`` unless absolute."""
+    path = Path(name)
+    return path if path.is_absolute() else base / path
 
 
 def _printable(text: str) -> bool:

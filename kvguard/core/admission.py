@@ -7,13 +7,14 @@ answers stay in the proxy: here nothing is awaited and no clock is read, so ever
 rule can be tested with plain numbers.
 
 Terms: a request's *projection* is its prompt plus ``max_tokens`` (what it will hold
-at most), in whole KV blocks; *in flight* is the sum of the projections of the
-requests the engine has now; the *pool* is the engine's usable KV cache in tokens,
-``None`` while unknown.
+at most), summed over its sequences (:func:`sequence_totals`), in whole KV blocks;
+*in flight* is the sum of the projections of the requests the engine has now; the
+*pool* is the engine's usable KV cache in tokens, ``None`` while unknown.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -98,6 +99,25 @@ def apply_window(
     if max_tokens is None or max_tokens > room:
         return WindowOutcome(None, room, clamped=True)
     return WindowOutcome(None, max_tokens)
+
+
+def sequence_totals(
+    prompt_tokens: Sequence[int], samples: int, max_tokens: int | None
+) -> tuple[int, int | None]:
+    """The (prompt, max_tokens) a request of several sequences holds in all.
+
+    A request runs ``samples`` sequences for each of its prompts (``n``, ``best_of``;
+    a batch of prompts): each sequence holds its prompt and its own answer, so the
+    sums are what the request projects. A prompt shared by its samples is counted
+    once per sample, as an engine without prefix caching holds it. A single sequence
+    keeps an unknown ``max_tokens`` unknown (the caller assumes ``UNKNOWN_MAX_TOKENS``);
+    several assume it for each one.
+    """
+    sequences = max(len(prompt_tokens), 1) * samples
+    prompt = sum(prompt_tokens) * samples
+    if max_tokens is None:
+        return prompt, None if sequences == 1 else UNKNOWN_MAX_TOKENS * sequences
+    return prompt, max_tokens * sequences
 
 
 def whole_blocks(tokens: int, block_size: int) -> int:

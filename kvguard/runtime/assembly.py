@@ -21,10 +21,12 @@ proxy when it is in the path, else through the engine's pause endpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from kvguard.actuators.dispatch import Actuators
@@ -46,7 +48,7 @@ from kvguard.actuators.state import EnginePauseRecord, StateFile
 from kvguard.actuators.supervisor import Supervisor
 from kvguard.actuators.webhook import Webhooks, WebhookSettings
 from kvguard.api.app import build_app
-from kvguard.config.settings import Config
+from kvguard.config.settings import Config, ProxyConfig
 from kvguard.core.budget import BudgetReport
 from kvguard.core.snapshot import EngineStats, Snapshot
 from kvguard.errors import KvguardError
@@ -54,6 +56,8 @@ from kvguard.runtime.budget_keeping import budget_for
 from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.decision import Brain
 from kvguard.runtime.probing import Probes
+
+log = structlog.get_logger("kvguard.server")
 
 
 def restart_mode(config: Config, *, supervised: bool) -> str:
@@ -72,13 +76,118 @@ def restart_mode(config: Config, *, supervised: bool) -> str:
     return mode
 
 
-async def listen(app: web.Application, address: str, *, cancel: bool = False) -> web.AppRunner:
+@dataclass(frozen=True)
+class ClientLimits:
+    """How long kvguard's HTTP servers wait on their clients ([proxy]'s, for both servers).
+
+    ``header_timeout_s``: a new connection must send a whole request head within it
+    (a silent one, or one trickling its head, is closed). ``keepalive_s``: an idle
+    connection is closed after it; the head of a later request on it must come
+    within it too. ``shutdown_grace_s``: when kvguard stops, requests still being
+    served get this long to end, then are cancelled.
+    """
+
+    header_timeout_s: float = 5.0
+    keepalive_s: float = 75.0
+    shutdown_grace_s: float = 5.0
+
+    @classmethod
+    def of(cls, proxy: ProxyConfig) -> ClientLimits:
+        """The limits ``[proxy]`` sets."""
+        return cls(proxy.client_header_timeout_s, proxy.client_keepalive_s, proxy.shutdown_grace_s)
+
+
+class HeadDeadline:
+    """Closes connections that have not sent a whole request head ``timeout_s`` after opening.
+
+    aiohttp bounds a kept-alive connection's wait for its next request
+    (``keepalive_timeout``), but most releases kvguard supports (``aiohttp>=3.9``) do
+    not bound a new connection's wait for its first, and the newest only by that same
+    timeout: one that sends nothing, or trickles its head, stays open as long as it
+    likes. A middleware marks each connection that got a request to its handler;
+    a sweep every ``timeout_s / 5`` closes those that are older than ``timeout_s``
+    and never did. Only aiohttp's public surface is used (``Server.connections``,
+    ``request.protocol``, ``force_close``).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._first_seen: dict[object, float] = {}  # connection -> when a sweep first saw it
+        self._served: set[object] = set()  # connections that got a request
+        self._task: asyncio.Task[None] | None = None
+
+    @web.middleware
+    async def mark(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        """The request's head is complete: its connection is no longer watched."""
+        self._served.add(request.protocol)
+        return await handler(request)
+
+    def watch(self, runner: web.AppRunner) -> None:
+        """Start sweeping ``runner``'s connections (stopped by :meth:`stop`)."""
+        self._task = asyncio.ensure_future(self._sweep(runner))
+
+    async def stop(self, _: web.Application | None = None) -> None:
+        """Stop sweeping (the app's cleanup)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _sweep(self, runner: web.AppRunner) -> None:
+        while True:
+            await asyncio.sleep(self.timeout_s / 5)
+            try:
+                self._close_late(runner)
+            except Exception as exc:  # noqa: BLE001 - the sweep must outlive a surprise
+                log.warning("head_deadline_sweep_failed", error=repr(exc)[:200])
+
+    def _close_late(self, runner: web.AppRunner) -> None:
+        server = runner.server
+        if server is not None:
+            now = asyncio.get_running_loop().time()
+            connections = server.connections
+            alive = set(connections)
+            # Forget connections that are gone: these maps must not grow without end.
+            self._served &= alive
+            self._first_seen = {c: t for c, t in self._first_seen.items() if c in alive}
+            for connection in connections:
+                if connection in self._served:
+                    continue
+                if now - self._first_seen.setdefault(connection, now) >= self.timeout_s:
+                    self._first_seen.pop(connection)
+                    connection.force_close()
+
+
+async def listen(
+    app: web.Application,
+    address: str,
+    *,
+    cancel: bool = False,
+    limits: ClientLimits = ClientLimits(),
+) -> web.AppRunner:
     """Serve ``app`` on ``HOST:PORT`` (port 0: one the OS picks); a busy port is one clear error.
 
     ``cancel``: a client that leaves cancels its handler (the proxy's setting: that
     closes the upstream connection, which makes the engine abort the request).
+    ``limits``: how long clients may take (:class:`ClientLimits`); without them a
+    silent connection stayed open for good and a request with an unfinished body held
+    kvguard's exit for aiohttp's 60 s.
     """
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=cancel)
+    heads = HeadDeadline(limits.header_timeout_s)
+    app.middlewares.insert(0, heads.mark)  # first: every request marks its connection
+    app.on_cleanup.append(heads.stop)
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handler_cancellation=cancel,
+        keepalive_timeout=limits.keepalive_s,
+        shutdown_timeout=limits.shutdown_grace_s,
+    )
     await runner.setup()
     host, _, port = address.rpartition(":")
     try:
@@ -86,6 +195,7 @@ async def listen(app: web.Application, address: str, *, cancel: bool = False) ->
     except OSError as exc:
         await runner.cleanup()
         raise KvguardError(f"cannot listen on {address}: {exc.strerror}") from exc
+    heads.watch(runner)
     return runner
 
 
@@ -109,12 +219,18 @@ def make_webhooks(config: Config) -> Webhooks:
 
 
 def make_proxy(
-    config: Config, mitigations: Mitigations, budget: BudgetReport | None
+    config: Config,
+    mitigations: Mitigations,
+    budget: BudgetReport | None,
+    *,
+    engine_kind: Callable[[], str | None] | None = None,
 ) -> AdmissionProxy:
     """The admission proxy for ``config``, acting on ``mitigations``.
 
     ``budget`` gives the KV bytes per token (what ``/status`` reports the proxy's
     accounted requests in); without one the proxy counts tokens only.
+    ``engine_kind`` says the engine's kind (configured or detected, None while
+    unknown): the proxy forwards that engine's routes (every engine's while unknown).
     """
     proxy = config.proxy
     # [proxy] declares each of the proxy's settings under the same name (and more: enabled).
@@ -127,7 +243,7 @@ def make_proxy(
     values["upstream"] = proxy.upstream or config.engine.url
     settings = ProxySettings(**values)
     per_token = budget.budget.kv_bytes_per_token_per_gpu if budget is not None else None
-    return AdmissionProxy(settings, mitigations, bytes_per_token=per_token)
+    return AdmissionProxy(settings, mitigations, bytes_per_token=per_token, engine_kind=engine_kind)
 
 
 EventSink = Callable[[str, dict[str, Any]], None]
@@ -180,6 +296,7 @@ def build_actuators(
             engine_stats=engine_stats,
             times=ReconfigureTimes(reconfigure.drain_timeout_s, reconfigure.start_timeout_s),
             on_event=on_event,
+            on_restarting=lambda seconds: mitigations.engine_restarting("reconfigure", seconds),
         )
 
     actuators = Actuators(
@@ -249,11 +366,14 @@ class Guard:
         """
         daemon = self.daemon
         try:
+            # [proxy]'s client limits hold for kvguard's API too: one place to tune them.
+            limits = ClientLimits.of(daemon.config.proxy)
             if self.api is not None:
-                self.runners.append(await listen(self.api, daemon.config.server.listen))
+                api = await listen(self.api, daemon.config.server.listen, limits=limits)
+                self.runners.append(api)
             if daemon.proxy is not None:
                 address = proxy_listen or daemon.config.proxy.listen
-                runner = await listen(daemon.proxy.app(), address, cancel=True)
+                runner = await listen(daemon.proxy.app(), address, cancel=True, limits=limits)
                 self.runners.append(runner)
                 self.proxy_url = bound_url(runner)
             if daemon.webhooks is not None:
@@ -348,14 +468,31 @@ def build_guard(
     mitigations = Mitigations()
     brain = Brain(config, dry_run=dry_run, mitigations=mitigations, on_event=notify)
     budget = budget_for(config, config.gpu.memory_bytes)
-    proxy = make_proxy(config, mitigations, budget) if config.proxy.enabled else None
+    proxy = None
+    if config.proxy.enabled:
+        # The daemon's current engine probe (built below; a reload may replace it)
+        # knows the kind: as configured, or as detected on the first tick.
+        proxy = make_proxy(
+            config, mitigations, budget, engine_kind=lambda: daemon.probes.engine.kind
+        )
     supervisor = None
     if engine_command:
+
+        async def engine_healthy() -> bool:
+            # The daemon's current engine probe, as the fp8 switch's health wait reads it.
+            try:
+                return (await daemon.probes.engine.sample()).up
+            except KvguardError:
+                return False
+
         supervisor = Supervisor(
             engine_command,
             stop_timeout_s=config.reconfigure.stop_timeout_s,
             backoff_s=config.reconfigure.crash_backoff_s,
             on_event=notify,
+            # A crash restart: the proxy's 502s carry Retry-After until the engine is up.
+            on_restarting=lambda seconds: mitigations.engine_restarting("crash", seconds),
+            healthy=engine_healthy,
         )
     actuators = None
     if engine_actions:

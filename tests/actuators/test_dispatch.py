@@ -10,9 +10,12 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp import web
+from structlog.testing import capture_logs
 
 from kvguard.actuators.dispatch import Actuators
 from kvguard.actuators.engine_admin import EngineAdmin
+from kvguard.actuators.state import EnginePauseRecord, StateFile
+from kvguard.api.status import status_document
 from kvguard.config.settings import parse_config
 from kvguard.core.policy import Action
 from kvguard.probes.engine import EngineProbe
@@ -235,6 +238,105 @@ async def test_the_proxy_in_the_path_means_no_engine_pause(sim_engine):
     actuators.set_kind("vllm")
     assert not actuators.launch(Action("shed", "test", priority="standard"))
     await actuators.close()
+
+
+async def _paused(url: str) -> bool:
+    """The simulated vLLM's own answer to GET /is_paused."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/is_paused") as resp:
+        return bool((await resp.json())["is_paused"])
+
+
+async def test_a_pause_kvguard_cannot_record_is_refused_and_status_says_why(sim_engine, tmp_path):
+    """An unwritable state file: the engine-side shed fails with the reason; the proxy's shed stays.
+
+    The engine is never paused (a kvguard killed now would leave nothing paused), the
+    ladder logs ``action_unavailable`` for ``engine_pause`` and /status lists it.
+    """
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the state folder should be: every write fails
+    state = StateFile(blocker / "state" / "state.json")
+    config = parse_config({"engine": {"url": url, "kind": "vllm", "shed_by_pause": True}}, env={})
+    guard = build_guard(
+        config, probes=Probes(EngineProbe(url), nvml=None, host=None), serve_api=False, state=state
+    )
+    daemon, actuators = guard.daemon, guard.daemon.actuators
+    assert actuators is not None
+    try:
+        await daemon.tick()  # the kind is known: the admin client exists
+        await _settle(actuators)
+        outcomes = daemon.mitigations.apply(
+            [Action("shed", "critical", priority="standard")], "critical", 5
+        )
+        assert [outcome for _, outcome in outcomes] == ["applied"]
+        await _settle(actuators)
+        assert actuators.results[("pause", "failed")] == 1
+        assert not actuators.paused
+        assert not await _paused(url)
+        why = actuators.unavailable()["engine_pause"]
+        assert f"cannot write {blocker}" in why
+        assert "KVGUARD_STATE_DIR" in why
+        with capture_logs() as logs:
+            await daemon.tick()
+        said = [e for e in logs if e["event"] == "action_unavailable"]
+        assert [e["action"] for e in said if e["action"] == "engine_pause"] == ["engine_pause"]
+        assert status_document(daemon)["actions"]["unavailable"]["engine_pause"] == why
+        assert daemon.mitigations.sheds("standard")  # the proxy's own shed is in force
+
+        # Writable again: the next shed pauses, and the refusal is no longer listed.
+        blocker.unlink()
+        record = EnginePauseRecord(state, url)
+        assert actuators.launch(Action("release", "calm", target="shed")) is False
+        assert actuators.launch(Action("shed", "critical", priority="standard"))
+        await _settle(actuators)
+        assert await _paused(url)
+        assert record.paused
+        assert "engine_pause" not in actuators.unavailable()
+    finally:
+        await actuators.close()
+        await daemon.close()
+    assert not await _paused(url)
+
+
+async def test_an_engine_paused_by_someone_else_is_reported_and_left_paused(sim_engine, tmp_path):
+    """Paused at start with no record of kvguard pausing it: said once, never resumed by kvguard.
+
+    Not even at exit: the pause belongs to whoever made it (an operator, a training job
+    updating weights).
+    """
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    async with aiohttp.ClientSession() as http, http.post(f"{url}/pause?mode=keep") as resp:
+        assert resp.status == 200
+    record = EnginePauseRecord(StateFile(tmp_path / "state.json"), url)
+    actuators = _actuators(url, pause_record=record)
+    with capture_logs() as logs:
+        actuators.set_kind("vllm")
+        await _settle(actuators)
+    said = [e for e in logs if e["event"] == "engine_paused_at_start"]
+    assert len(said) == 1
+    assert said[0]["engine"] == url
+    assert said[0]["resumed"] is False
+    assert said[0]["log_level"] == "warning"
+    assert actuators.paused_elsewhere
+    assert not actuators.paused  # not kvguard's: kvguard_engine_paused stays 0
+    assert actuators.results[("resume", "succeeded")] == 0
+    assert not actuators.launch(Action("release", "calm", target="shed"))  # nothing of ours
+    await actuators.close()
+    assert await _paused(url)
+
+
+async def test_a_shed_asked_for_during_the_start_check_is_carried_out(sim_engine):
+    """The start check and the pauses share one task: a shed meanwhile is sent after it."""
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    actuators = _actuators(url, shed_by_pause=True)
+    actuators.set_kind("vllm")  # the check is under way
+    assert actuators.launch(Action("shed", "critical", priority="standard"))
+    await _settle(actuators)
+    assert actuators.paused
+    assert not actuators.paused_elsewhere  # its own pause came after the check
+    assert await _paused(url)
+    await actuators.close()
+    assert not await _paused(url)
 
 
 async def test_the_daemon_sends_level_changes_and_actions_to_webhooks(sim_server):

@@ -274,6 +274,64 @@ async def test_vllm_pause_that_outlasts_the_timeout_is_confirmed_by_is_paused(re
     assert sleep.delays == []
 
 
+async def test_a_pause_that_cannot_be_recorded_is_never_sent(sim_server, recorder, admin_for):
+    """The state file refused the note: no pause reaches the engine, and the result says why.
+
+    An unrecorded pause would outlive a kvguard killed while holding it: the next one
+    would find no note and never resume the engine.
+    """
+    server = await sim_server()
+    url, seen = await recorder(upstream=server.url)
+    told: list[bool] = []
+
+    def unwritable(paused: bool) -> bool:
+        told.append(paused)
+        return False
+
+    admin, _ = admin_for(url, "vllm", on_pause_change=unwritable)
+    result = await admin.pause()
+    assert (result.ok, result.supported, result.attempts) == (False, True, 0)
+    assert result.unrecorded
+    assert not result.uncertain  # nothing was sent: no resume is owed
+    assert "could not record the pause in its state file" in result.detail
+    assert told == [True]
+    assert seen == []
+    assert server.engine.pause_mode is None
+    assert admin.supports("pause")  # the endpoint is there: a later pause may be recorded
+
+
+async def test_is_paused_asks_vllm_and_changes_nothing(sim_server, recorder, admin_for):
+    """GET /is_paused on vLLM, before and after a pause made by someone else."""
+    server = await sim_server()
+    url, seen = await recorder(upstream=server.url)
+    admin, _ = admin_for(url, "vllm")
+    assert await admin.is_paused() is False
+    server.engine.pause("wait")  # another client's pause
+    assert await admin.is_paused() is True
+    assert [(s["method"], s["path"]) for s in seen] == [("GET", "/is_paused")] * 2
+    assert server.engine.pause_mode == "wait"
+
+
+async def test_is_paused_is_unknown_without_an_endpoint_that_says_it(
+    sim_server, recorder, admin_for
+):
+    """Without dev mode, vLLM's 404 is "unknown" (no action marked missing by a question).
+
+    SGLang and llama.cpp have no endpoint that answers it: unknown, no request.
+    """
+    server = await sim_server(dev_endpoints=False)
+    admin, _ = admin_for(server.url, "vllm")
+    with capture_logs() as logs:
+        assert await admin.is_paused() is None
+    assert logs == []
+    assert admin.supports("pause")
+    for kind in ("sglang", "llamacpp", "tgi"):
+        url, seen = await recorder()
+        other, _ = admin_for(url, kind)
+        assert await other.is_paused() is None
+        assert seen == []
+
+
 # ---------------------------------------------------------------- SGLang
 async def test_sglang_flush_pause_in_place_and_continue(sim_server, recorder, admin_for):
     """Flush when idle; paused in place, new requests wait and flush is refused; continue runs."""

@@ -98,7 +98,8 @@ async def echo(serve):
 async def test_requests_pass_through_unchanged(echo, proxy_to):
     """Method, path, query, body, status, headers and bytes pass; hop-by-hop headers do not."""
     upstream, seen, _ = echo
-    proxy, _ = await proxy_to(upstream)
+    # No engine route: paths [proxy] allowed_paths adds pass as they are.
+    proxy, _ = await proxy_to(upstream, allowed_paths=("/any", "/gzip"))
     async with aiohttp.ClientSession(auto_decompress=False) as http:
         async with http.put(
             f"{proxy}/any/path?x=1&y=%20z",
@@ -134,7 +135,7 @@ async def test_request_id_is_kept_when_given(echo, proxy_to):
     proxy, _ = await proxy_to(upstream)
     async with (
         aiohttp.ClientSession() as http,
-        http.get(f"{proxy}/x", headers={"X-Request-Id": "abc"}),
+        http.get(f"{proxy}/v1/models", headers={"X-Request-Id": "abc"}),
     ):
         pass
     assert seen[0]["headers"]["X-Request-Id"] == "abc"
@@ -143,7 +144,7 @@ async def test_request_id_is_kept_when_given(echo, proxy_to):
 async def test_paths_never_change_the_host(echo, proxy_to):
     """A path that looks like another host still goes to the upstream, as a path."""
     upstream, seen, _ = echo
-    proxy, _ = await proxy_to(upstream)
+    proxy, _ = await proxy_to(upstream, allowed_paths=("/",))  # "/": every path
     async with aiohttp.ClientSession() as http, http.get(f"{proxy}//127.0.0.2:1/x") as resp:
         assert resp.status == 418
     assert seen[0]["path"] == "//127.0.0.2:1/x"
@@ -152,7 +153,7 @@ async def test_paths_never_change_the_host(echo, proxy_to):
 async def test_streams_pass_chunk_by_chunk(echo, proxy_to):
     """SSE chunks reach the client as they are sent (the upstream waits for the client)."""
     upstream, _, go = echo
-    proxy, _ = await proxy_to(upstream)
+    proxy, _ = await proxy_to(upstream, allowed_paths=("/stream",))
     async with aiohttp.ClientSession() as http, http.post(f"{proxy}/stream") as resp:
         first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 3)
         assert first == b'data: {"choices": [{"text": "a"}]}\n\n'
@@ -164,7 +165,9 @@ async def test_streams_pass_chunk_by_chunk(echo, proxy_to):
 async def test_limits_and_upstream_failures(echo, proxy_to):
     """Body over the limit: 413; upstream refusing: 502; upstream too slow: 504."""
     upstream, _, _ = echo
-    proxy, _ = await proxy_to(upstream, max_body_bytes=1024, read_timeout_s=0.3)
+    proxy, _ = await proxy_to(
+        upstream, max_body_bytes=1024, read_timeout_s=0.3, allowed_paths=("/x", "/slow")
+    )
     dead, _ = await proxy_to(f"http://127.0.0.1:{free_port()}")
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{proxy}/x", data=b"x" * 2048) as resp:
@@ -953,26 +956,33 @@ async def test_chat_messages_must_be_a_list(echo, proxy_to):
 
 
 async def test_engine_admin_paths_and_allowed_paths(echo, proxy_to):
-    """The engines' admin endpoints get 403 by default; allowed_paths narrows what passes."""
+    """The engines' admin endpoints get 403 by default; allowed_paths adds paths.
+
+    Without blocked_paths an admin endpoint is still refused (it is no client route);
+    an operator who wants one through adds it to allowed_paths too.
+    """
     upstream, seen, _ = echo
     proxy, _ = await proxy_to(upstream)
-    narrow, _ = await proxy_to(upstream, allowed_paths=("/v1",))
-    opened, _ = await proxy_to(upstream, blocked_paths=())
+    added, _ = await proxy_to(upstream, allowed_paths=("/custom",))
+    unblocked, _ = await proxy_to(upstream, blocked_paths=())
+    opened, _ = await proxy_to(upstream, blocked_paths=(), allowed_paths=("/reset_prefix_cache",))
     async with aiohttp.ClientSession() as http:
         for path in ("/reset_prefix_cache", "/pause?mode=abort", "/Flush_Cache", "/slots/0"):
             async with http.post(f"{proxy}{path}") as resp:
                 answer = await resp.json()
                 assert resp.status == 403, path
                 assert "[proxy] blocked_paths" in answer["error"]["message"]
-        async with http.get(f"{narrow}/health") as resp:
+        async with http.get(f"{proxy}/custom/x") as resp:
             assert resp.status == 404
             assert "[proxy] allowed_paths" in (await resp.json())["error"]["message"]
+        async with http.post(f"{unblocked}/reset_prefix_cache") as resp:
+            assert resp.status == 403
         assert seen == []
-        async with http.get(f"{narrow}/v1/models") as resp:
+        async with http.get(f"{added}/custom/x") as resp:
             assert resp.status == 418  # the echo upstream's answer: forwarded
         async with http.post(f"{opened}/reset_prefix_cache") as resp:
             assert resp.status == 418  # an operator who wants them through says so
-    assert [s["path"] for s in seen] == ["/v1/models", "/reset_prefix_cache"]
+    assert [s["path"] for s in seen] == ["/custom/x", "/reset_prefix_cache"]
 
 
 ADMIN_PATHS_ADDED = [
@@ -1025,8 +1035,8 @@ async def test_make_proxy_uses_the_configured_path_rules(echo, serve):
             "engine": {"url": upstream},
             "proxy": {
                 "enabled": True,
-                "allowed_paths": ["/v1", "/health"],
-                "blocked_paths": ["/v1/embeddings", "DELETE /v1/models"],
+                "allowed_paths": ["/custom"],
+                "blocked_paths": ["/v1/embeddings", "DELETE /v1/models", "/metrics"],
                 "trust_priority_header": False,
                 "upstream_keepalive_s": 0,
             },
@@ -1039,8 +1049,10 @@ async def test_make_proxy_uses_the_configured_path_rules(echo, serve):
     proxy = make_proxy(config, daemon.mitigations, daemon.state.budget)
     front = await serve(proxy.app(), cancel=True)
     async with aiohttp.ClientSession() as http:
+        async with http.get(f"{front}/other") as resp:
+            assert resp.status == 404  # no engine route, and not in allowed_paths
         async with http.get(f"{front}/metrics") as resp:
-            assert resp.status == 404  # outside allowed_paths
+            assert resp.status == 403  # an engine route, but blocked: blocks win
         async with http.post(f"{front}/v1/embeddings", json={}) as resp:
             assert resp.status == 403  # inside blocked_paths
         async with http.delete(f"{front}/v1/models") as resp:
@@ -1048,11 +1060,14 @@ async def test_make_proxy_uses_the_configured_path_rules(echo, serve):
         assert seen == []
         async with http.get(f"{front}/v1/models") as resp:
             assert resp.status == 418  # forwarded
+        async with http.get(f"{front}/custom/page") as resp:
+            assert resp.status == 418  # added by allowed_paths
         async with http.post(f"{front}/reset_prefix_cache") as resp:
-            assert resp.status == 404  # the configured lists replace the defaults
+            # The configured list replaces the defaults, but no client route is it.
+            assert resp.status == 403
     assert proxy.settings.trust_priority_header is False
     assert proxy.settings.upstream_keepalive_s == 0.0
-    assert [s["path"] for s in seen] == ["/v1/models"]
+    assert [s["path"] for s in seen] == ["/v1/models", "/custom/page"]
     await daemon.close()
 
 
@@ -1130,3 +1145,52 @@ async def test_forwarding_headers_come_from_the_connection(echo, proxy_to):
     assert headers.getall("X-Forwarded-Proto") == ["http"]
     for gone in ("Forwarded", "X-Forwarded-Host", "X-Real-IP"):
         assert gone not in headers, gone
+
+
+async def test_the_engine_gets_the_clients_headers_and_nothing_added(echo, proxy_to):
+    """No Content-Type, Accept, Accept-Encoding or User-Agent the client did not send."""
+    upstream, seen, _ = echo
+    proxy, _ = await proxy_to(upstream)
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(proxy.rsplit(":", 1)[1]))
+    body = b'{"prompt": "hi"}'
+    writer.write(
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    await writer.drain()
+    assert (await reader.read()).startswith(b"HTTP/1.1 418")
+    writer.close()
+    (got,) = seen
+    for name in ("Content-Type", "Accept", "Accept-Encoding", "User-Agent"):
+        assert name not in got["headers"], name
+    assert got["body"] == body
+    seen.clear()
+    async with aiohttp.ClientSession() as http:
+        sent = {"Content-Type": "text/x-mine", "User-Agent": "client/1", "Accept": "x/y"}
+        async with http.post(f"{proxy}/v1/embeddings", data=body, headers=sent) as resp:
+            assert resp.status == 418
+    (got,) = seen
+    for name, value in sent.items():
+        assert got["headers"][name] == value  # the client's own pass as sent
+
+
+@pytest.mark.parametrize(
+    "encoded",
+    [gzip.compress(b'{"prompt": "hi"}'), b"\x1f\x8bnot gzip"],
+    ids=["gzip", "corrupt-gzip"],
+)
+async def test_a_compressed_request_body_is_refused_not_forwarded(echo, proxy_to, encoded):
+    """Gzip (or a corrupt one): 415 content_encoding, and the engine sees nothing."""
+    upstream, seen, _ = echo
+    proxy, _ = await proxy_to(upstream)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{proxy}/v1/completions",
+            data=encoded,
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        ) as resp,
+    ):
+        assert resp.status == 415
+        assert (await resp.json())["error"]["code"] == "content_encoding"
+    assert seen == []

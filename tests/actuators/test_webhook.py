@@ -1,4 +1,8 @@
-"""Webhooks delivered to real receivers on 127.0.0.1, with sleeps recorded, not slept."""
+"""Webhooks delivered to real receivers on 127.0.0.1, with sleeps recorded, not slept.
+
+The documented receiver (docs/examples/webhook_receiver.py, shown whole in
+docs/integrations.md) is run here too, against kvguard's own deliveries.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,16 @@ import datetime as dt
 import enum
 import hashlib
 import hmac
+import importlib.util
 import json
 import math
+import re
+import threading
+import uuid
+from pathlib import Path
+from types import ModuleType
 
+import aiohttp
 import pytest
 from aiohttp import web
 from multidict import CIMultiDictProxy
@@ -22,13 +33,32 @@ from tests.helpers import free_port, until
 
 NOW = 1_700_000_000.5  # 2023-11-14T22:13:20.500Z
 NOW_RFC3339 = "2023-11-14T22:13:20.500Z"
-SECRET = "s3cret-Value-never-logged"
+SECRET = "s3cret-Value-never-logged-0123456789"  # 36 bytes: the minimum is 32
+ROOT = Path(__file__).parents[2]
+EXAMPLE = ROOT / "docs" / "examples" / "webhook_receiver.py"
 
 
 def verified(secret: bytes, body: bytes, header: str) -> bool:
-    """The receiver's check, as the module docstring shows it."""
-    expected = "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
-    return hmac.compare_digest(expected, header)
+    """The signature check as docs/integrations.md specifies it, written apart from kvguard's."""
+    items = dict(item.split("=", 1) for item in header.split(","))
+    signed = items["t"].encode("ascii") + b"." + body
+    expected = hmac.new(secret, signed, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, items["v1"])
+
+
+def header_time(header: str) -> int:
+    """The ``t=`` of an ``X-Kvguard-Signature`` header."""
+    return int(dict(item.split("=", 1) for item in header.split(","))["t"])
+
+
+class Clock:
+    """A wall clock the test moves (and :class:`Sleeps` moves by what it is asked to sleep)."""
+
+    def __init__(self, now: float = NOW) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class Receiver:
@@ -78,13 +108,16 @@ class Receiver:
 
 
 class Sleeps:
-    """A no-op ``sleep`` that records the delays it was asked for."""
+    """A ``sleep`` that records the delays asked for and moves ``clock`` on, if given."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock | None = None) -> None:
         self.delays: list[float] = []
+        self.clock = clock
 
     async def __call__(self, delay: float) -> None:
         self.delays.append(delay)
+        if self.clock is not None:
+            self.clock.now += delay
 
 
 @pytest.fixture
@@ -119,10 +152,10 @@ async def webhooks():
     """Make :class:`Webhooks` with a recording sleep and a fixed clock; closed after."""
     made: list[Webhooks] = []
 
-    def make(*urls: str, **settings) -> tuple[Webhooks, Sleeps]:
-        sleeps = Sleeps()
+    def make(*urls: str, clock: Clock | None = None, **settings) -> tuple[Webhooks, Sleeps]:
+        sleeps = Sleeps(clock)
         hooks = Webhooks(
-            WebhookSettings(urls=urls, **settings), sleep=sleeps, wall_clock=lambda: NOW
+            WebhookSettings(urls=urls, **settings), sleep=sleeps, wall_clock=clock or Clock()
         )
         made.append(hooks)
         return hooks, sleeps
@@ -141,9 +174,12 @@ async def test_body_and_headers(receiver, webhooks):
     await hooks.close()
 
     assert len(rec.bodies) == 1
+    event_id = json.loads(rec.bodies[0])["event_id"]
+    assert uuid.UUID(event_id).version == 4
     expected = {
         "at": NOW_RFC3339,
         "event": "level_changed",
+        "event_id": event_id,
         "headroom_bytes": 1024,
         "kvguard_version": __version__,
         "level": "warn",
@@ -162,7 +198,7 @@ async def test_body_and_headers(receiver, webhooks):
 
 
 async def test_signature_verifies_with_the_secret_only(receiver, webhooks):
-    """The signature is HMAC-SHA256 over the exact body; another secret does not verify."""
+    """t=<send time>,v1=HMAC-SHA256 of "<t>.<body>"; another secret, body or t does not verify."""
     rec = await receiver()
     hooks, _ = webhooks(rec.url, secret=SECRET)
     await hooks.start()
@@ -170,10 +206,49 @@ async def test_signature_verifies_with_the_secret_only(receiver, webhooks):
     await hooks.close()
 
     body, header = rec.bodies[0], rec.headers[0]["X-Kvguard-Signature"]
-    assert header.startswith("sha256=")
+    assert header == f"t={int(NOW)},v1={header.split(',v1=')[1]}"
+    assert len(header.split(",v1=")[1]) == 64  # hex SHA-256
     assert verified(SECRET.encode(), body, header)
-    assert not verified(b"another-secret", body, header)
+    assert not verified(b"another-secret-of-at-least-32-bytes!", body, header)
     assert not verified(SECRET.encode(), body + b" ", header)
+    moved = header.replace(f"t={int(NOW)}", f"t={int(NOW) + 600}")  # a replay, re-dated
+    assert not verified(SECRET.encode(), body, moved)
+
+
+async def test_event_ids_are_unique_per_event_and_kept_across_urls_and_retries(receiver, webhooks):
+    """Each event has its own event_id; every URL and every retry gets the same one."""
+    flaky = await receiver([503])
+    steady = await receiver()
+    hooks, _ = webhooks(flaky.url, steady.url, retries=1)
+    await hooks.start()
+    hooks.notify("action", index=0)
+    hooks.notify("action", index=1)
+    await hooks.close()
+
+    flaky_ids = [event["event_id"] for event in flaky.events()]
+    steady_ids = [event["event_id"] for event in steady.events()]
+    assert flaky_ids[0] == flaky_ids[1]  # the 503, then its retry
+    assert flaky_ids[1:] == steady_ids
+    assert len(set(steady_ids)) == 2
+
+
+async def test_each_attempt_is_signed_when_it_is_sent(receiver, webhooks):
+    """A retry after a long backoff carries its own time, so it is not stale on arrival."""
+    rec = await receiver([503, 503, 503])
+    clock = Clock()
+    hooks, sleeps = webhooks(rec.url, secret=SECRET, retries=3, backoff_s=100.0, clock=clock)
+    await hooks.start()
+    hooks.notify("engine_restarted", reason="crash")
+    await hooks.close()
+
+    assert sleeps.delays == [100.0, 200.0, 400.0]
+    signatures = [headers["X-Kvguard-Signature"] for headers in rec.headers]
+    assert [header_time(h) for h in signatures] == [int(NOW) + d for d in (0, 100, 300, 700)]
+    assert len(set(rec.bodies)) == 1  # the same body, the same event_id
+    assert all(verified(SECRET.encode(), rec.bodies[0], h) for h in signatures)
+    # The last attempt, 700 s after the event, is fresh for the documented receiver.
+    verifier = load_example().Verifier(SECRET.encode(), clock=clock)
+    assert verifier.verify(rec.bodies[-1], signatures[-1])["event"] == "engine_restarted"
 
 
 @pytest.mark.parametrize("status", [503, 429, 500])
@@ -389,6 +464,8 @@ async def test_odd_fields_are_made_json_safe_and_envelope_wins(receiver, webhook
         ({"urls": (), "backoff_s": -1.0}, "webhook backoff_s"),
         ({"urls": (), "queue_size": 0}, "webhook queue_size"),
         ({"urls": (), "secret": ""}, "webhook secret"),
+        ({"urls": (), "secret": "x" * 31}, "webhook secret"),
+        ({"urls": (), "secret": "é" * 15 + "x"}, "webhook secret"),  # 31 bytes, 16 characters
     ],
 )
 def test_settings_are_validated(settings, field):
@@ -397,3 +474,145 @@ def test_settings_are_validated(settings, field):
         WebhookSettings(**settings)
     assert caught.value.field == field
     assert "t0k" not in str(caught.value)
+
+
+def test_a_secret_of_32_bytes_is_enough():
+    """The minimum counts UTF-8 bytes: 32 ASCII characters, or 16 two-byte ones."""
+    assert WebhookSettings(urls=(), secret="x" * 32).secret == "x" * 32
+    assert WebhookSettings(urls=(), secret="é" * 16).secret == "é" * 16
+    with pytest.raises(InvalidInputError) as caught:
+        WebhookSettings(urls=(), secret="short-secret")
+    assert caught.value.allowed == "must hold at least 32 bytes"
+    assert "short-secret" not in str(caught.value)  # its length only, never the value
+
+
+# ---------------------------------------------------------------- the documented receiver
+def load_example() -> ModuleType:
+    """docs/examples/webhook_receiver.py, imported from its file."""
+    spec = importlib.util.spec_from_file_location("webhook_receiver_example", EXAMPLE)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_documented_receiver_is_the_example_file():
+    """docs/integrations.md shows the example file whole and unchanged: the two cannot drift."""
+    doc = (ROOT / "docs" / "integrations.md").read_text(encoding="utf-8")
+    code = EXAMPLE.read_text(encoding="utf-8")
+    assert f"```python\n{code}```\n" in doc
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown file (code blocks skipped)."""
+    anchors, fenced = set(), False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif line.startswith("#") and not fenced:
+            heading = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", heading).replace(" ", "-"))
+    return anchors
+
+
+@pytest.mark.parametrize("page", ["configuration.md", "integrations.md"])
+def test_links_between_the_configuration_and_integration_pages_resolve(page):
+    """Each `(page.md#anchor)` link names a heading there (integrations.md#webhooks did not)."""
+    docs = ROOT / "docs"
+    text = (docs / page).read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([\w-]*\.md)?#([\w-]+)\)", text)
+    broken = [
+        f"{target}#{anchor}"
+        for target, anchor in links
+        if anchor not in heading_anchors(docs / (target or page))
+    ]
+    assert broken == []
+
+
+@pytest.fixture
+def example_receiver():
+    """Run the example's server on loopback in a thread; its clock is the test's."""
+    example = load_example()
+    clock = Clock()
+    accepted: list[dict] = []
+    verifier = example.Verifier(SECRET.encode(), clock=clock)
+    server = example.make_server("127.0.0.1", 0, verifier, accepted.append)
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    yield url, clock, accepted
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+async def post(url: str, body: bytes, headers) -> tuple[int, str]:
+    """POST ``body`` with ``headers`` (a captured delivery's) and the answer's status and text."""
+    keep = {k: v for k, v in headers.items() if k.lower() not in ("host", "content-length")}
+    async with aiohttp.ClientSession() as http, http.post(url, data=body, headers=keep) as resp:
+        return resp.status, await resp.text()
+
+
+async def test_example_receiver_accepts_deliveries_and_refuses_replays(
+    receiver, webhooks, example_receiver
+):
+    """Real deliveries pass; the same delivery replayed, now or later, or altered, does not."""
+    url, receiver_clock, accepted = example_receiver
+    tap = await receiver()  # captures what an eavesdropper would see
+    hooks, _ = webhooks(url, tap.url, secret=SECRET)
+    await hooks.start()
+    hooks.notify("level_changed", previous="ok", level="high")
+    hooks.notify("action", action="shed", level="high")
+    await hooks.close()
+    assert hooks.counters == {"sent": 4, "failed": 0, "dropped": 0}
+    assert [event["event"] for event in accepted] == ["level_changed", "action"]
+    body, headers = tap.bodies[0], tap.headers[0]
+
+    # Replayed at once: answered 200 (so a retry stops) but not acted on again.
+    assert await post(url, body, headers) == (
+        200,
+        f"event {accepted[0]['event_id']} already received",
+    )
+    assert len(accepted) == 2
+
+    # Replayed after the 5-minute tolerance: stale. (Its id may be forgotten by then.)
+    receiver_clock.now = NOW + 301
+    status, text = await post(url, body, headers)
+    assert (status, text.split(":")[0]) == (401, "stale")
+
+    # Re-dated to look fresh: the signature no longer matches.
+    signature = headers["X-Kvguard-Signature"].replace(f"t={int(NOW)}", f"t={int(NOW) + 301}")
+    assert await post(url, body, {**headers, "X-Kvguard-Signature": signature}) == (
+        401,
+        "bad signature",
+    )
+
+    # Altered body, or no signature: refused; nothing more was acted on.
+    receiver_clock.now = NOW
+    forged = body.replace(b'"level":"high"', b'"level":"ok"')
+    assert forged != body
+    assert (await post(url, forged, headers))[0] == 401
+    unsigned = {k: v for k, v in headers.items() if k != "X-Kvguard-Signature"}
+    assert (await post(url, body, unsigned))[0] == 401
+    assert len(accepted) == 2
+
+
+async def test_example_receiver_turns_away_a_kvguard_with_another_secret(
+    webhooks, example_receiver
+):
+    """Deliveries signed with another secret fail at once (401 is final) and are counted."""
+    url, _, accepted = example_receiver
+    hooks, sleeps = webhooks(url, secret="another-secret-of-at-least-32-bytes!", retries=3)
+    await hooks.start()
+    with capture_logs() as logs:
+        hooks.notify("engine_oom", pid=1)
+        await hooks.close()
+    assert accepted == []
+    assert sleeps.delays == []
+    assert hooks.counters == {"sent": 0, "failed": 1, "dropped": 0}
+    assert [(e["event"], e["status"]) for e in logs if e["event"] == "webhook_failed"] == [
+        ("webhook_failed", 401)
+    ]

@@ -7,6 +7,7 @@ where each file came from.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -273,10 +274,171 @@ def test_a_single_vllm_series_fills_only_its_field():
     assert stats == EngineStats(kind="vllm", up=True, requests_running=3.0)
 
 
-def test_nan_values_are_unknown():
-    """Engines report NaN before the first observation; that is unknown, not a number."""
-    stats = ADAPTERS["sglang"].parse(EngineScrape("sglang:token_usage NaN\n"))
-    assert stats.kv_cache_usage_ratio is None
+# ------------------------------------------------ garbage values (issue 23, finding 11)
+# Each case: a fixture, the one sample line whose value is altered (by its start), and
+# what that series is. Nothing else of the real capture changes.
+GARBAGE_COUNTS = ("-1", "NaN", "+Inf", "-Inf", "1e308", "9.1e15")
+GARBAGE_RATIOS = ("-1", "5", "1.01", "-0.001", "NaN", "+Inf", "-Inf", "1e308")
+GARBAGE_SERIES = [
+    ("vllm", "vllm-cpu-busy.txt", 'vllm:kv_cache_usage_perc{engine="0"', "ratio"),
+    ("vllm", "vllm-cpu-busy.txt", 'vllm:num_requests_running{engine="0"', "count"),
+    ("vllm", "vllm-cpu-busy.txt", 'vllm:num_requests_waiting{engine="0"', "count"),
+    ("vllm", "vllm-cpu-busy.txt", 'vllm:num_preemptions_total{engine="0"', "count"),
+    ("vllm", "vllm-cpu-busy.txt", 'vllm:request_prompt_tokens_sum{engine="0"', "count"),
+    ("vllm", "vllm_old_gpu_cache_usage.txt", "vllm:gpu_cache_usage_perc{", "ratio"),
+    ("vllm", "vllm_sim_dp2.txt", 'vllm:kv_cache_usage_perc{engine="1"', "ratio"),
+    ("vllm", "vllm_sim_dp2.txt", 'vllm:num_requests_running{engine="1"', "count"),
+    ("sglang", "sglang_sim_busy.txt", "sglang:token_usage{", "ratio"),
+    ("sglang", "sglang_sim_busy.txt", "sglang:num_running_reqs{", "count"),
+    ("sglang", "sglang_sim_busy.txt", "sglang:max_total_num_tokens{", "count"),
+    ("sglang", "sglang_sim_busy.txt", "sglang:page_size{", "count"),
+    ("tgi", "tgi_written.txt", "tgi_batch_max_total_tokens ", "count"),
+    ("tgi", "tgi_written.txt", "tgi_batch_current_max_tokens ", "count"),
+    ("tgi", "tgi_written.txt", "tgi_queue_size ", "count"),
+    ("tgi", "tgi_written.txt", "tgi_request_input_length_sum ", "count"),
+    (
+        "trtllm",
+        "trtllm_triton_readme.txt",
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used"',
+        "count",
+    ),
+    (
+        "trtllm",
+        "trtllm_triton_readme.txt",
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per"',
+        "count",
+    ),
+    (
+        "trtllm",
+        "trtllm_triton_readme.txt",
+        'nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="active"',
+        "count",
+    ),
+    ("llamacpp", "llamacpp-real-busy-metrics.txt", "llamacpp:requests_processing ", "count"),
+    ("llamacpp", "llamacpp-real-busy-metrics.txt", "llamacpp:prompt_tokens_total ", "count"),
+]
+
+
+def altered(name: str, line_start: str, value: str) -> str:
+    """Fixture ``name`` with the value of its one sample line starting ``line_start`` replaced."""
+    lines = fixture(name).split("\n")
+    found = [i for i, line in enumerate(lines) if line.startswith(line_start)]
+    assert len(found) == 1, f"{line_start!r} matches {len(found)} lines of {name}"
+    head, _, _ = lines[found[0]].rpartition(" ")
+    lines[found[0]] = f"{head} {value}"
+    return "\n".join(lines)
+
+
+def garbage_cases() -> list[tuple[str, str, str, str]]:
+    """(kind, fixture, line start, garbage value): every series with every bad value."""
+    return [
+        (kind, name, start, value)
+        for kind, name, start, what in GARBAGE_SERIES
+        for value in (GARBAGE_RATIOS if what == "ratio" else GARBAGE_COUNTS)
+    ]
+
+
+def garbage_scrape(kind: str, text: str) -> EngineScrape:
+    """A scrape of ``text``; llama.cpp's with the /slots and /props of the same capture."""
+    if kind != "llamacpp":
+        return EngineScrape(text)
+    return EngineScrape(
+        text,
+        slots=json.loads(fixture("llamacpp-real-busy-slots.json")),
+        props=json.loads(fixture("llamacpp-real-props.json")),
+    )
+
+
+@pytest.mark.parametrize(("kind", "name", "start", "value"), garbage_cases())
+def test_garbage_values_are_probe_errors_naming_the_series(kind, name, start, value):
+    """A ratio outside [0, 1], a negative, non-finite or absurd count: ProbeError, by name.
+
+    Never an OverflowError (1e308 x blocks) or a reading kvguard would act on.
+    """
+    ADAPTERS[kind].parse(garbage_scrape(kind, fixture(name)))  # the capture itself is fine
+    with pytest.raises(ProbeError) as caught:
+        ADAPTERS[kind].parse(garbage_scrape(kind, altered(name, start, value)))
+    assert caught.value.probe == "engine"
+    series = start.split("{")[0].strip()
+    assert series in str(caught.value)
+    assert f" is {float(value):g}: a " in str(caught.value)
+
+
+def test_trtllm_own_fraction_is_checked_when_it_is_read():
+    """Without the block counts Triton's fraction is the usage: 5 or NaN is an error there."""
+    text = "\n".join(
+        line
+        for line in fixture("trtllm_triton_readme.txt").split("\n")
+        if 'kv_cache_block_type="used"' not in line  # the only change besides the value
+    )
+    start = 'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"'
+    assert ADAPTERS["trtllm"].parse(EngineScrape(text)).kv_cache_usage_ratio == 0.4875
+    for value in GARBAGE_RATIOS:
+        with pytest.raises(ProbeError, match=r"nv_trt_llm_kv_cache_block_metrics\{.* a ratio"):
+            ADAPTERS["trtllm"].parse(EngineScrape(altered_text(text, start, value)))
+
+
+def altered_text(text: str, line_start: str, value: str) -> str:
+    """``text`` with the value of its one line starting ``line_start`` replaced."""
+    lines = text.split("\n")
+    (index,) = [i for i, line in enumerate(lines) if line.startswith(line_start)]
+    lines[index] = f"{lines[index].rpartition(' ')[0]} {value}"
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("value", ["-5", "1e308", "inf", "NaN", "-Inf"])
+@pytest.mark.parametrize("label", ["num_gpu_blocks", "block_size"])
+def test_vllm_cache_config_counts_must_be_counts(label, value):
+    """cache_config_info carries capacity in labels: garbage there is a ProbeError too."""
+    original = fixture("vllm-cpu-busy.txt")
+    text = re.sub(rf'(?<=[{{,]){label}="[^"]*"', f'{label}="{value}"', original, count=1)
+    assert text != original
+    with pytest.raises(ProbeError, match=f"vllm:cache_config_info.*label {label}=") as caught:
+        ADAPTERS["vllm"].parse(EngineScrape(text))
+    assert caught.value.probe == "engine"
+
+
+def test_vllm_cache_config_none_is_still_unknown():
+    """Before profiling vLLM writes num_gpu_blocks="None": unknown, not an error."""
+    text = fixture("vllm-cpu-busy.txt").replace('num_gpu_blocks="16"', 'num_gpu_blocks="None"')
+    stats = ADAPTERS["vllm"].parse(EngineScrape(text))
+    assert (stats.kv_capacity_blocks, stats.kv_capacity_tokens, stats.kv_used_tokens) == (
+        None,
+        None,
+        None,
+    )
+    assert stats.kv_cache_usage_ratio == 1.0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("0", 0.0), ("1", 1.0), ("1.0000000000001", 1.0), ("-1e-12", 0.0)]
+)
+def test_ratios_at_their_bounds_are_readings(value, expected):
+    """0 and 1 are readings (a full cache is the case that matters); float dust is clamped."""
+    text = altered("vllm-cpu-busy.txt", 'vllm:kv_cache_usage_perc{engine="0"', value)
+    assert ADAPTERS["vllm"].parse(EngineScrape(text)).kv_cache_usage_ratio == expected
+
+
+@pytest.mark.parametrize("n_ctx", [1e308, 10**400, -512, float("inf"), float("nan")])
+def test_llamacpp_garbage_slots_leave_capacity_unknown(n_ctx):
+    """/slots is an extra: a garbage n_ctx makes capacity and use unknown, never an exception."""
+    slots = json.loads(fixture("llamacpp-real-busy-slots.json"))
+    slots[0]["n_ctx"] = n_ctx
+    stats = ADAPTERS["llamacpp"].parse(
+        EngineScrape(fixture("llamacpp-real-busy-metrics.txt"), slots=slots)
+    )
+    assert (stats.kv_capacity_tokens, stats.kv_used_tokens, stats.kv_cache_usage_ratio) == (
+        None,
+        None,
+        None,
+    )
+    assert stats.requests_running == 4.0
+    props = json.loads(fixture("llamacpp-real-props.json"))
+    props["total_slots"] = n_ctx
+    stats = ADAPTERS["llamacpp"].parse(
+        EngineScrape(fixture("llamacpp-real-busy-metrics.txt"), props=props)
+    )
+    assert stats.kv_capacity_tokens is None
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvguard.config.settings import parse_config
 from kvguard.errors import InvalidInputError, ProbeError
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines import ADAPTERS
+from kvguard.runtime.daemon import Daemon
 from tests.helpers import free_port, until
+from tests.probes.test_engine_adapters import altered
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 VLLM_TEXT = 'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
@@ -404,3 +407,27 @@ def test_bad_settings_are_rejected_at_construction(kwargs, field):
     with pytest.raises(InvalidInputError) as caught:
         EngineProbe(**kwargs)
     assert caught.value.field == field
+
+
+async def test_garbage_value_is_a_probe_error_not_an_unexpected_one(tiny_server, probes):
+    """A real vLLM capture with usage 1e308: ProbeError naming the series, in the daemon too.
+
+    1e308 x blocks x block size overflowed to an OverflowError, which the daemon logged
+    as "unexpected"; now the probe fails the way a bad exposition does.
+    """
+    body = altered("vllm-cpu-busy.txt", 'vllm:kv_cache_usage_perc{engine="0"', "1e308")
+    url = await tiny_server({"/metrics": text(body), "/health": text("")})
+    with pytest.raises(ProbeError, match=r"vllm:kv_cache_usage_perc\{.*\} is 1e\+308: a ratio"):
+        await probes(url, kind="vllm").sample()
+    with pytest.raises(ProbeError, match="vllm:kv_cache_usage_perc"):
+        await probes(url).sample()  # auto-detected, then parsed: the same error
+    daemon = Daemon(parse_config({"engine": {"url": url}, "poll": {"timeout_s": 2.0}}, env={}))
+    try:
+        await daemon.tick()
+        tracker = daemon.state.trackers["engine"]
+        assert not tracker.ok
+        assert tracker.error is not None
+        assert "vllm:kv_cache_usage_perc" in tracker.error
+        assert not tracker.error.startswith("unexpected")
+    finally:
+        await daemon.close()

@@ -8,6 +8,7 @@ fault of the matrix is tested.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ from kvguard.actuators.dispatch import Actuators
 from kvguard.actuators.drain import EnginePauseDrain
 from kvguard.actuators.engine_admin import EngineAdmin
 from kvguard.actuators.reconfigure import Reconfigurer, ReconfigureTimes
-from kvguard.actuators.state import EnginePauseRecord, StateFile, state_dir
+from kvguard.actuators.state import LOCK_FILE_NAME, EnginePauseRecord, StateFile, state_dir
 from kvguard.api.telemetry import daemon_registry
 from kvguard.config.settings import parse_config
 from kvguard.core.policy import Action
@@ -95,14 +96,25 @@ def test_state_writes_are_whole_and_a_bad_file_is_ignored_with_a_reason(tmp_path
         assert record.paused
 
 
-def test_a_state_write_that_fails_is_logged_not_raised(tmp_path):
-    """An unwritable state directory costs the note, never the action."""
+def test_a_state_write_that_fails_is_logged_not_raised_and_says_why(tmp_path):
+    """An unwritable state directory: logged, and the record says the note is not on disk.
+
+    A pause is then refused (the SIGKILL test below): it could not be undone by a
+    successor.
+    """
     blocker = tmp_path / "file"
     blocker.write_text("")
     state = StateFile(blocker / "state.json")  # its parent is a file: mkdir fails
+    record = EnginePauseRecord(state, "http://127.0.0.1:8000")
     with capture_logs() as logs:
-        assert state.set_engine_paused("http://127.0.0.1:8000", True) is False
+        assert record.mark(True) is False
     assert [e["event"] for e in logs] == ["state_file_unreadable", "state_file_write_failed"]
+    assert record.write_error is not None
+    assert record.write_error.startswith(f"cannot write {blocker / 'state.json'}: ")
+    assert not record.paused
+    blocker.unlink()
+    assert record.mark(True) is True  # writable again: the note is written, the error gone
+    assert record.write_error is None
 
 
 MARKER = textwrap.dedent(
@@ -112,21 +124,48 @@ MARKER = textwrap.dedent(
     from kvguard.actuators.state import StateFile
     state, name = StateFile(Path(sys.argv[1])), sys.argv[2]
     for n in range(40):
-        state.set_engine_paused(f"http://127.0.0.1:{name}{n:02d}", True)
+        # What a write reported as done (a pause is sent only then), one per line.
+        if state.set_engine_paused(f"http://127.0.0.1:{name}{n:02d}", True):
+            print(f"http://127.0.0.1:{name}{n:02d}", flush=True)
     """
 )
 
 
 def test_two_kvguards_writing_the_state_file_at_once_lose_no_entry(tmp_path):
-    """Two processes (one kvguard per engine) mark 40 engines each at once: all 80 are kept."""
+    """Two processes (one kvguard per engine) mark 40 engines each at once.
+
+    Every note a write reported as done is kept. Idle, all 80 are done; on a loaded
+    machine a writer that cannot have the lock in time reports failure (its pause is
+    then not sent) rather than write unlocked over the other's note.
+    """
     path = tmp_path / "state.json"
     writers = [
-        subprocess.Popen([sys.executable, "-c", MARKER, str(path), name]) for name in ("1", "2")
+        subprocess.Popen(
+            [sys.executable, "-c", MARKER, str(path), name], stdout=subprocess.PIPE, text=True
+        )
+        for name in ("1", "2")
     ]
-    assert [w.wait(timeout=60) for w in writers] == [0, 0]
+    outputs = [w.communicate(timeout=60)[0] for w in writers]
+    assert [w.returncode for w in writers] == [0, 0]
+    done = {line for out in outputs for line in out.splitlines()}
     engines = json.loads(path.read_text())["engines"]
-    assert len(engines) == 80
+    assert set(engines) == done
+    assert len(done) >= 60  # most writes get the lock in time, even under load
     assert all(entry["paused"] is True for entry in engines.values())
+
+
+def test_a_write_without_the_lock_fails_and_says_why(tmp_path):
+    """A neighbour holding the lock past the wait: the write fails, nothing is written."""
+    state = StateFile(tmp_path / "state.json")
+    assert state.set_engine_paused("http://127.0.0.1:1", True)
+    with (tmp_path / LOCK_FILE_NAME).open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another kvguard, stuck mid-write
+        assert not state.set_engine_paused("http://127.0.0.1:2", True)
+        assert state.write_error is not None
+        assert LOCK_FILE_NAME in state.write_error
+    assert json.loads((tmp_path / "state.json").read_text())["engines"].keys() == {
+        "http://127.0.0.1:1"
+    }
 
 
 # ---------------------------------------------------------------------- SIGKILL
@@ -139,7 +178,7 @@ PAUSER = textwrap.dedent(
     from kvguard.runtime.probing import Probes
     from kvguard.core.policy import Action
     from kvguard.probes.engine import EngineProbe
-    from kvguard.api.telemetry import configure_logging
+    from kvguard.api.logs import configure_logging
 
     async def main(url):
         configure_logging("warning", "json")  # stderr: stdout says "paused" only
@@ -200,6 +239,93 @@ async def test_sigkill_while_the_engine_is_paused_is_undone_by_the_next_kvguard(
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 15) == 0
+
+
+UNRECORDED_PAUSER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from kvguard.runtime.assembly import build_guard
+    from kvguard.config.settings import parse_config
+    from kvguard.runtime.probing import Probes
+    from kvguard.core.policy import Action
+    from kvguard.probes.engine import EngineProbe
+    from kvguard.api.logs import configure_logging
+
+    async def main(url):
+        configure_logging("warning", "json")
+        config = parse_config({"engine": {"url": url, "shed_by_pause": True}}, env={})
+        probes = Probes(engine=EngineProbe(url), nvml=None, host=None)
+        daemon = build_guard(config, probes=probes, serve_api=False).daemon
+        actuators = daemon.actuators  # the state file from $KVGUARD_STATE_DIR: unwritable
+        await daemon.tick()
+        while not all(t.done() for t in actuators._tasks.values()):
+            await asyncio.sleep(0.01)  # the start check
+        actuators.launch(Action("shed", "critical", priority="standard"))
+        while not all(t.done() for t in actuators._tasks.values()):
+            await asyncio.sleep(0.01)
+        print(json.dumps({"paused": actuators.paused, **actuators.unavailable()}), flush=True)
+        await asyncio.sleep(60)  # killed here
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+async def test_sigkill_with_an_unwritable_state_dir_leaves_the_engine_serving(sim_engine, tmp_path):
+    """KVGUARD_STATE_DIR cannot be written: kvguard refuses to pause, then is SIGKILLed.
+
+    Before, it paused anyway (logging state_file_write_failed) and the next kvguard,
+    finding no note, never resumed the engine. Now the pause is never sent, and says
+    why; after the SIGKILL the engine serves, and the next kvguard finds nothing to undo.
+    """
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # root ignores permissions: a file where a folder must be
+    env = {**os.environ, "KVGUARD_STATE_DIR": str(blocker / "state")}
+    pauser = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", UNRECORDED_PAUSER, url, env=env, stdout=asyncio.subprocess.PIPE
+    )
+    assert pauser.stdout is not None
+    try:
+        async with asyncio.timeout(20):
+            said = json.loads(await pauser.stdout.readline())
+    finally:
+        pauser.kill()  # SIGKILL: no shutdown code runs
+        await pauser.wait()
+    assert pauser.returncode == -signal.SIGKILL
+    assert said["paused"] is False
+    assert f"cannot write {blocker}" in said["engine_pause"]
+    assert not await is_paused(url)  # nothing was left paused by the dead kvguard
+    async with aiohttp.ClientSession() as http:
+        body = {"prompt": "hello", "max_tokens": 4}
+        async with http.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+
+
+async def test_kvguard_run_reports_an_engine_someone_else_paused_and_leaves_it(
+    sim_engine, tmp_path
+):
+    """Paused, and no note says kvguard did it: `kvguard run` says so and does not resume it."""
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    async with aiohttp.ClientSession() as http, http.post(f"{url}/pause?mode=keep") as resp:
+        assert resp.status == 200
+    config = tmp_path / "kvguard.toml"
+    config.write_text(
+        f'[engine]\nurl = "{url}"\n[server]\nlisten = "127.0.0.1:{free_port()}"\n'
+        '[poll]\ninterval_s = 0.2\n[log]\nformat = "json"\n'
+    )
+    env = {**os.environ, "KVGUARD_STATE_DIR": str(tmp_path / "state")}
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "run", "--config", str(config), env=env, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        said = (await read_events(proc, until="engine_paused_at_start"))[-1]
+        assert said["engine"] == url
+        assert said["resumed"] is False
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    assert await is_paused(url)  # not kvguard's pause, not kvguard's to end (at exit neither)
 
 
 async def test_a_supervised_engine_does_not_outlive_a_sigkilled_kvguard(tmp_path):

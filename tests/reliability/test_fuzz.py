@@ -335,10 +335,23 @@ def _recorder(seen: list[dict[str, Any]]) -> web.Application:
 
 
 def _strict_json(body: bytes) -> Any:
+    """``body`` as strict JSON in UTF-8 whose every string encodes: what may be forwarded."""
+
     def refuse(name: str) -> None:
         raise AssertionError(f"{name} forwarded")
 
-    return json.loads(body, parse_constant=refuse)
+    payload = json.loads(body.decode("utf-8"), parse_constant=refuse)
+    # A lone surrogate or a number no double holds (parsed as inf) fails here.
+    json.dumps(payload, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    return payload
+
+
+# Text no UTF-8 encoder writes: lone surrogates, alone or among ordinary characters.
+UNPAIRED = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1)
+# Numbers at and past what a double holds, as JSON literals; the last five are no JSON
+# a strict parser (or kvguard) accepts: NaN and Infinity, or too large for a double.
+EXTREME_NUMBERS = ["1e308", "-1.7976931348623157e308", "-0.0", "5e-324", "0e0", "1E+2"]
+UNDOUBLED_NUMBERS = ["NaN", "-Infinity", "1e999", "-1e400", "1" + "0" * 400 + ".5"]
 
 
 max_tokens_values = st.one_of(
@@ -354,7 +367,11 @@ max_tokens_values = st.one_of(
 @st.composite
 def generation_bodies(draw: st.DrawFn) -> bytes:
     """Bodies for /v1/completions: plausible ones with odd fields, broken JSON, junk bytes."""
-    kind = draw(st.sampled_from(["json", "json", "text", "bytes", "deep", "constant"]))
+    kind = draw(
+        st.sampled_from(
+            ["json", "json", "text", "bytes", "deep", "constant", "surrogate", "number", "junk"]
+        )
+    )
     if kind == "json":
         body: dict[str, Any] = {}
         if draw(st.booleans()):
@@ -377,7 +394,43 @@ def generation_bodies(draw: st.DrawFn) -> bytes:
     if kind == "constant":
         value = draw(st.sampled_from(["NaN", "Infinity", "-Infinity"]))
         return f'{{"prompt": "x", "max_tokens": 5, "temperature": {value}}}'.encode()
+    if kind == "surrogate":
+        return draw(surrogate_bodies())
+    if kind == "number":
+        value = draw(st.sampled_from(EXTREME_NUMBERS + UNDOUBLED_NUMBERS))
+        field = draw(st.sampled_from(["temperature", "top_p", "max_tokens", "seed", "x"]))
+        return f'{{"prompt": "x", "max_tokens": 500, "{field}": {value}}}'.encode()
+    if kind == "junk":  # random bytes inside an otherwise sound body
+        junk = draw(st.binary(min_size=1, max_size=40))
+        return b'{"prompt": "' + junk + b'", "max_tokens": 5}'
     return draw(st.binary(max_size=120))
+
+
+@st.composite
+def surrogate_bodies(draw: st.DrawFn) -> bytes:
+    r"""A sound body with a lone surrogate in its prompt, a message, a key or a value.
+
+    Escaped (``"\udfff"``, what json.dumps writes) or as the raw bytes a careless
+    encoder writes (``surrogatepass``): both are text no engine can take.
+    """
+    bad = draw(
+        st.builds(lambda a, b, c: a + b + c, st.text(max_size=5), UNPAIRED, st.text(max_size=5))
+    )
+    where = draw(st.sampled_from(["prompt", "batch", "message", "key", "stop"]))
+    body: dict[str, Any] = {"prompt": "x", "max_tokens": 5}
+    if where == "prompt":
+        body["prompt"] = bad
+    elif where == "batch":
+        body["prompt"] = ["fine", bad]
+    elif where == "message":
+        body = {"messages": [{"role": "user", "content": bad}], "max_tokens": 5}
+    elif where == "key":
+        body[bad] = 1
+    else:
+        body["stop"] = [bad]
+    if draw(st.booleans()):
+        return json.dumps(body).encode()  # escaped: \udfff
+    return json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")
 
 
 HEADER_NAME = st.text(
@@ -457,6 +510,60 @@ def test_proxy_forwards_nothing_malformed(served):
         # The window cap (256) holds for the field the engine reads.
         chat_key = "max_completion_tokens" in payload and path == "/v1/chat/completions"
         assert payload["max_completion_tokens" if chat_key else "max_tokens"] <= 256
+
+    one()
+
+
+def test_unencodable_text_and_numbers_no_double_holds_are_refused(served):
+    """A lone surrogate anywhere, NaN, Infinity or a number past a double: 400, never 500.
+
+    Extreme doubles (1e308, -0.0, the smallest subnormal) pass, as strict JSON, even
+    when a cap rewrites the body. Random bytes inside a string: 400 unless they are
+    UTF-8 text.
+    """
+    seen: list[dict[str, Any]] = []
+    upstream = served.serve(_recorder(seen))
+    proxy = AdmissionProxy(ProxySettings(upstream=upstream), Mitigations(max_tokens=16))
+    front = served.serve(proxy.app())
+    http = served.session()
+
+    async def send(path: str, body: bytes) -> tuple[int, Any]:
+        async with http.post(f"{front}{path}", data=body) as resp:
+            return resp.status, await resp.json()
+
+    @SERVED
+    @given(
+        body=st.one_of(
+            surrogate_bodies(),
+            st.builds(
+                lambda n: f'{{"prompt": "x", "max_tokens": 500, "temperature": {n}}}'.encode(),
+                st.sampled_from(EXTREME_NUMBERS + UNDOUBLED_NUMBERS),
+            ),
+            st.builds(
+                lambda junk: b'{"prompt": "' + junk + b'", "max_tokens": 5}',
+                st.binary(min_size=1, max_size=40).filter(
+                    lambda b: b'"' not in b and b"\\" not in b
+                ),
+            ),
+        )
+    )
+    def one(body: bytes) -> None:
+        path = "/v1/chat/completions" if b'"messages"' in body else "/v1/completions"
+        before = len(seen)
+        status, answer = served.run(send(path, body))
+        forwarded = seen[before:]
+        try:
+            _strict_json(body)  # raw control characters in a string fail it too
+            sound = True
+        except (ValueError, AssertionError):
+            sound = False
+        if sound:
+            assert status == 200, (body, answer)
+            assert _strict_json(forwarded[0]["body"])["max_tokens"] <= 16
+        else:
+            assert status == 400, (body, answer)
+            assert answer["error"]["code"] == "invalid_body"
+            assert forwarded == []
 
     one()
 

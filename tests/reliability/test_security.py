@@ -31,7 +31,8 @@ from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.actuators.reconfigure import CommandRestarter, Reconfigurer
 from kvguard.api.app import build_app
 from kvguard.api.control import DENIED_LOG_CALLERS, ControlLog
-from kvguard.api.telemetry import configure_logging, daemon_registry
+from kvguard.api.logs import configure_logging
+from kvguard.api.telemetry import daemon_registry
 from kvguard.config.secrets import CONTROL_TOKEN_ENV
 from kvguard.config.settings import Config, parse_config
 from kvguard.core.policy import Action, GuardState
@@ -412,7 +413,7 @@ async def test_secrets_never_reach_status_or_logs(tmp_path, sim_engine, serve, c
     secrets = {
         "control": TOKEN,
         "engine": "engine-token-planted-4242",
-        "webhook": "webhook-secret-planted-4343",
+        "webhook": "webhook-secret-planted-4343-4343-4343",
         "api_key": "sk-apikey-planted-4444",
         "webhook_path": "slackpath-planted-4545",  # Slack, Teams, Discord: in the path
         "webhook_at_path": "atpath-planted-4646",  # an '@' in the path, not userinfo

@@ -23,13 +23,10 @@ from aiohttp import web
 
 from kvguard.actuators.accounting import Inflight, InflightRequest
 from kvguard.actuators.mitigations import Mitigations, request_priority
+from kvguard.actuators.proxy import shapes
 from kvguard.actuators.proxy.answers import _error
 from kvguard.actuators.proxy.counting import PromptCounter, _answer_has_usage
-from kvguard.actuators.proxy.screen import (
-    _json_or_error,
-    _malformed_generation,
-    _requested_max_tokens,
-)
+from kvguard.actuators.proxy.screen import _malformed_generation, read_json
 from kvguard.actuators.proxy.settings import ProxyCounters, ProxySettings
 from kvguard.core import admission as rules
 
@@ -80,12 +77,14 @@ class Admission:
         )
 
     async def admit(
-        self, request: web.Request, body: bytes, request_id: str
+        self, request: web.Request, body: bytes, request_id: str, shape: str = "completions"
     ) -> web.StreamResponse | tuple[bytes, InflightRequest | None]:
         """Decide on one generation request: an answer in the engine's stead, or go on.
 
-        Going on is the body to forward (``max_tokens`` clamped when a cap says so)
-        and the request to account while it runs (None for an empty body).
+        ``shape`` is how the route's body reads (:mod:`.shapes`). Going on is the body
+        to forward (its answer's length clamped when a cap says so) and the request to
+        account while it runs (None for an empty body, or an ``/invocations`` body
+        that is no generation request).
         """
         priority = self.priority_of(request.headers)
         if self.draining():
@@ -95,34 +94,56 @@ class Admission:
         # pool to measure against, or already HELD_POOLS pools' worth of requests held.
         if shed_class and not self.may_hold():
             return self.shed(priority, request_id)
-        payload = _json_or_error(body) if body else None
-        chat = request.path == "/v1/chat/completions"
+        payload = await read_json(body, self.settings.max_body_values) if body else None
+        chat = _reads_as_chat(shape, payload)
         malformed = _malformed_generation(payload, body, chat=chat)
+        generation: shapes.Generation | None = None
+        if malformed is None and isinstance(payload, dict):
+            try:
+                generation = shapes.read_generation(shape, payload)
+            except shapes.ShapeError as exc:
+                malformed = str(exc)
+            else:
+                if generation is None:
+                    return body, None  # not a generation request (a pooling /invocations)
         if malformed is not None:
             self._counters.rejected["invalid_body"] += 1
             return _error(400, malformed, "invalid_request_error", code="invalid_body")
-        if not isinstance(payload, dict):
+        if generation is None or not isinstance(payload, dict):
             return body, None  # an empty body: nothing to project or change
+        chat = generation.chat
+        single = generation.sequences == 1
         prompt_cap, completion_cap = self.window_for(priority)
         # The engine's exact count is waited for only when it decides something now (a
         # window cap, a hold for room, projected admission). Otherwise the request goes
         # on with an estimate, corrected when the engine's count comes (see below): the
         # /tokenize round trip was most of the latency the proxy adds.
-        known = self._counter.known(payload, chat=chat)
+        subject = generation.prompts[0]
+        known = self._counter.known(payload, chat=chat, subject=subject)
         decides = rules.needs_exact_count(
             prompt_cap,
             completion_cap,
             shed_class=shed_class,
             admission_enforced=self.admission_enforced(),
         )
-        prompt = known.count
-        if not known.exact and decides:
-            prompt = await self._counter.exact(payload, known, chat=chat)
+        # A batch's prompts are estimated (or counted from their token ids) one by one:
+        # one /tokenize for each would be a burst of requests on the engine.
+        counts = [known.count] + [
+            self._counter.known(payload, chat=chat, subject=other).count
+            for other in generation.prompts[1:]
+        ]
+        if not known.exact and decides and len(counts) == 1:
+            counts[0] = await self._counter.exact(payload, known, chat=chat, subject=subject)
             # What is in force now, not before the wait (up to TOKENIZE_TIMEOUT_S).
             prompt_cap, completion_cap = self.window_for(priority)
-        key, max_tokens = _requested_max_tokens(payload, chat=chat)
+        # The window caps hold each sequence's context: the longest prompt's.
+        prompt = max(counts)
         window = rules.apply_window(
-            prompt, max_tokens, prompt_cap, completion_cap, self.settings.min_completion_tokens
+            prompt,
+            generation.requested,
+            prompt_cap,
+            completion_cap,
+            self.settings.min_completion_tokens,
         )
         if window.refusal == "prompt_over_window":
             self._counters.rejected["prompt_over_window"] += 1
@@ -144,20 +165,23 @@ class Admission:
                 "invalid_request_error",
                 code="kv_window_exceeded",
             )
-        max_tokens = window.max_tokens
-        if window.clamped:
-            payload[key] = max_tokens
+        if window.clamped and window.max_tokens is not None:
+            shapes.clamp(payload, generation, window.max_tokens)
             self._counters.clamped += 1
             body = json.dumps(payload).encode()
-        tracked = InflightRequest(request_id, priority, prompt, max_tokens)
-        if not known.exact and not decides:
+        # Every sequence holds its prompt and its answer: n per prompt, in all.
+        prompt_total, max_total = rules.sequence_totals(
+            counts, generation.samples, window.max_tokens
+        )
+        tracked = InflightRequest(request_id, priority, prompt_total, max_total)
+        if not known.exact and not decides and single:
             tracked.prompt_key = known.key
             # While calm, a whole answer or a stream asked to end with `usage` brings the
             # engine's own count at its end: no /tokenize (a second request to the
             # engine's API server). Once pressure builds, what is in flight must be
             # known while it runs: /tokenize alongside, the count in milliseconds.
             if self.mitigations.level != "ok" or not _answer_has_usage(payload):
-                self._counter.count_later(tracked, payload, known.key, chat=chat)
+                self._counter.count_later(tracked, payload, known.key, chat=chat, subject=subject)
         if shed_class and not await self.hold_for_room(tracked):
             return (
                 self.refuse_draining(priority)
@@ -337,3 +361,10 @@ class Admission:
             )
 
         return await self.wait_until(fits, terms.wait_s)
+
+
+def _reads_as_chat(shape: str, payload: object) -> bool:
+    """Whether the body's prompt is ``messages`` (what the OpenAI checks look at)."""
+    if shape in ("chat", "messages", "ollama_chat"):
+        return True
+    return shape == "invocations" and isinstance(payload, dict) and "messages" in payload

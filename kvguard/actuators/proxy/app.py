@@ -22,9 +22,10 @@ from kvguard.actuators.accounting import Inflight, InflightRequest
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy.admit import Admission
 from kvguard.actuators.proxy.answers import _error
+from kvguard.actuators.proxy.bodies import BodyGate, BodyRefused, BodyShare, read_body
 from kvguard.actuators.proxy.counting import PromptCounter
 from kvguard.actuators.proxy.forward import Forwarder, _upstream_headers
-from kvguard.actuators.proxy.screen import ALLOWED_METHODS, GENERATION_PATHS, screen_request
+from kvguard.actuators.proxy.screen import ALLOWED_METHODS, ROUTE_KEY, screen_request
 from kvguard.actuators.proxy.settings import ProxyCounters, ProxySettings
 from kvguard.config.fields import is_loopback
 from kvguard.http_client import client_session
@@ -41,13 +42,17 @@ class AdmissionProxy:
         mitigations: Mitigations,
         *,
         bytes_per_token: float | None = None,
+        engine_kind: Callable[[], str | None] | None = None,
     ) -> None:
         self.settings = settings
+        # The engine's kind picks the routes forwarded (routes.py); None: not known yet.
+        self._engine_kind = engine_kind
         self.mitigations = mitigations
         self.inflight = Inflight()
         self.counters = ProxyCounters()
         self.bytes_per_token = bytes_per_token
         self._session: aiohttp.ClientSession | None = None
+        self._bodies = BodyGate(settings.max_body_memory)
         upstream = settings.upstream.rstrip("/")
         # Counting and forwarding share one pooled session: session() is passed, not
         # the session, so a closed one is replaced for both.
@@ -65,6 +70,11 @@ class AdmissionProxy:
             finished=self._admission.wake,
         )
         mitigations.cancel_largest = self.cancel_largest
+
+    @property
+    def engine_kind(self) -> str | None:
+        """The engine's kind, as ``[engine] kind`` or the probe says; None while unknown."""
+        return self._engine_kind() if self._engine_kind is not None else None
 
     @property
     def waiting(self) -> int:
@@ -102,7 +112,7 @@ class AdmissionProxy:
         handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
     ) -> web.StreamResponse:
         """Refuse what must not reach the engine, before its body is read."""
-        refusal = screen_request(request, self.settings)
+        refusal = screen_request(request, self.settings, self.engine_kind)
         if refusal is None:
             return await handler(request)
         status, reason, message = refusal
@@ -134,24 +144,53 @@ class AdmissionProxy:
 
     # ------------------------------------------------------------------ the request path
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        """Forward one request, applying the mitigations to generation requests."""
+        """Forward one request, applying the mitigations to generation requests.
+
+        Its body counts against ``max_body_memory`` from its first byte until it is
+        admitted or refused (:class:`.bodies.BodyGate`).
+        """
+        async with self._bodies.share() as share:
+            return await self._handle(request, share)
+
+    async def _handle(self, request: web.Request, share: BodyShare) -> web.StreamResponse:
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self.counters.upstream_errors["413"] += 1
-            return _error(
-                413, f"request body over {self.settings.max_body_bytes} bytes", "request_too_large"
-            )
+            body = await read_body(request, self.settings, share)
+        except BodyRefused as refused:
+            return await self._refuse_body(request, refused)
         headers = _upstream_headers(request)
         request_id = headers.get("X-Request-Id") or uuid.uuid4().hex
         headers["X-Request-Id"] = request_id
         tracked: InflightRequest | None = None
-        if request.method == "POST" and request.path in GENERATION_PATHS:
-            decided = await self._admission.admit(request, body, request_id)
+        route = request.get(ROUTE_KEY)  # set by the screen; OPTIONS generates nothing
+        if route is not None and route.shape is not None and request.method in route.methods:
+            decided = await self._admission.admit(request, body, request_id, route.shape)
             if isinstance(decided, web.StreamResponse):
                 return decided
             body, tracked = decided
+        share.release()  # admitted: its bytes go to the engine, none is parsed any more
         return await self._forwarder.forward(request, headers, body, tracked)
+
+    async def _refuse_body(self, request: web.Request, refused: BodyRefused) -> web.StreamResponse:
+        """The answer to a body not read: 413, 408 (then the connection is closed) or 503."""
+        self.counters.upstream_errors[str(refused.status)] += 1
+        kind = {413: "request_too_large", 503: "server_overloaded"}
+        answer = _error(
+            refused.status,
+            refused.message,
+            kind.get(refused.status, "invalid_request_error"),
+            code=refused.code,
+            headers=refused.headers,
+        )
+        if refused.status != 408:
+            return answer
+        # A client that stalled its body would otherwise hold the connection while
+        # aiohttp reads the rest for its lingering time: answer, then close.
+        answer.force_close()
+        await answer.prepare(request)
+        await answer.write_eof()
+        if request.transport is not None:
+            request.transport.close()
+        return answer
 
     def priority_of(self, headers: Mapping[str, str]) -> str:
         """The request's class: from the API-key map, else the header, else the default."""

@@ -24,8 +24,10 @@ import structlog
 from kvguard.actuators.accounting import (
     InflightRequest,
     TokenCache,
+    digest,
     estimate_chat_tokens,
     estimate_tokens,
+    estimate_value_tokens,
 )
 from kvguard.actuators.proxy.screen import MAX_TOKENS_LIMIT
 
@@ -46,6 +48,8 @@ PROMPT_SHAPING_FIELDS = (
     "truncate_prompt_tokens",
     "suffix",
 )
+# The default of ``subject``: the prompt is the body's ``messages`` or ``prompt``.
+_FROM_PAYLOAD: Any = object()
 # Prompt counts asked of the engine in the background at once, at most; past it (the
 # engine tokenizes slowly) a request keeps its estimate, which errs high.
 MAX_BACKGROUND_COUNTS = 16  # each is one more request on the engine's API server
@@ -80,9 +84,17 @@ class PromptCounter:
             task.cancel()
         await asyncio.gather(*self.pending, return_exceptions=True)
 
-    def known(self, payload: dict[str, Any], *, chat: bool) -> PromptCount:
-        """The prompt's tokens without asking the engine: ids, the cache, else an estimate."""
-        subject: object = payload.get("messages") if chat else payload.get("prompt")
+    def known(
+        self, payload: dict[str, Any], *, chat: bool, subject: object = _FROM_PAYLOAD
+    ) -> PromptCount:
+        """The prompt's tokens without asking the engine: ids, the cache, else an estimate.
+
+        ``subject`` is the prompt (text, token ids, or messages when ``chat``) in a body
+        of another shape than OpenAI's (:mod:`.shapes`); by default the body's
+        ``messages`` or ``prompt``.
+        """
+        if subject is _FROM_PAYLOAD:
+            subject = payload.get("messages") if chat else payload.get("prompt")
         if (
             isinstance(subject, list)
             and not chat
@@ -90,21 +102,31 @@ class PromptCounter:
             and all(isinstance(t, int) for t in subject)
         ):
             return PromptCount(len(subject), exact=True, key=0)  # already token ids
-        text = json.dumps(subject, sort_keys=True)
+        # Keyed and estimated from the parsed values: writing the prompt out again (it
+        # may be megabytes, or a body of many small values) would cost another copy.
         # The fields that change what the engine counts for the same prompt are part of
         # the key, so a count remembered for one request is never another's.
         shaping = {f: payload[f] for f in PROMPT_SHAPING_FIELDS if f in payload}
-        key = hash((text, json.dumps(shaping, sort_keys=True))) if shaping else hash(text)
+        key = digest((subject, shaping)) if shaping else digest(subject)
         cached = self.cache.get(key)
         if cached is not None:
             return PromptCount(cached, exact=True, key=key)
         if chat and isinstance(subject, list):
             estimate = estimate_chat_tokens(subject)
+        elif isinstance(subject, str):
+            estimate = estimate_tokens(subject)
         else:
-            estimate = estimate_tokens(subject if isinstance(subject, str) else text)
+            estimate = estimate_value_tokens(subject)
         return PromptCount(estimate, exact=False, key=key)
 
-    async def exact(self, payload: dict[str, Any], known: PromptCount, *, chat: bool) -> int:
+    async def exact(
+        self,
+        payload: dict[str, Any],
+        known: PromptCount,
+        *,
+        chat: bool,
+        subject: object = _FROM_PAYLOAD,
+    ) -> int:
         """``known`` when exact, else the engine's /tokenize count (bounded, cached).
 
         When the engine has no count to give, the estimate (cached too, so the engine
@@ -112,19 +134,27 @@ class PromptCounter:
         """
         if known.exact:
             return known.count
-        count = await self._tokenize(payload, chat=chat)
+        count = await self._tokenize(payload, chat=chat, subject=subject)
         if count is None:
             count = known.count  # the estimate, remembered so the engine is not asked again
         self.cache.put(known.key, count)
         return count
 
     def count_later(
-        self, tracked: InflightRequest, payload: dict[str, Any], key: int, *, chat: bool
+        self,
+        tracked: InflightRequest,
+        payload: dict[str, Any],
+        key: int,
+        *,
+        chat: bool,
+        subject: object = _FROM_PAYLOAD,
     ) -> None:
         """Ask the engine for the prompt's count while the request goes on; correct it then."""
         if len(self.pending) >= MAX_BACKGROUND_COUNTS:
             return  # the engine is slow to tokenize: the (high) estimate stands
-        task = asyncio.ensure_future(self._count_in_background(tracked, payload, key, chat=chat))
+        task = asyncio.ensure_future(
+            self._count_in_background(tracked, payload, key, chat=chat, subject=subject)
+        )
         self.pending.add(task)
         task.add_done_callback(self._count_ended)
 
@@ -134,9 +164,15 @@ class PromptCounter:
             log.warning("prompt_count_failed", error=repr(task.exception())[:200])
 
     async def _count_in_background(
-        self, tracked: InflightRequest, payload: dict[str, Any], key: int, *, chat: bool
+        self,
+        tracked: InflightRequest,
+        payload: dict[str, Any],
+        key: int,
+        *,
+        chat: bool,
+        subject: object,
     ) -> None:
-        count = await self._tokenize(payload, chat=chat)
+        count = await self._tokenize(payload, chat=chat, subject=subject)
         if count is None:
             return  # the estimate stands; not cached, so a later cap asks the engine again
         self.cache.put(key, count)
@@ -150,12 +186,17 @@ class PromptCounter:
             self.cache.put(tracked.prompt_key, tracked.prompt_tokens)
             tracked.prompt_key = None
 
-    async def _tokenize(self, payload: dict[str, Any], *, chat: bool) -> int | None:
+    async def _tokenize(
+        self, payload: dict[str, Any], *, chat: bool, subject: object = _FROM_PAYLOAD
+    ) -> int | None:
         if not self._tokenize_ok:
             return None
-        query: dict[str, Any] = (
-            {"messages": payload.get("messages")} if chat else {"prompt": payload.get("prompt")}
-        )
+        if subject is _FROM_PAYLOAD:
+            subject = payload.get("messages") if chat else payload.get("prompt")
+        if not chat and isinstance(subject, list) and not all(isinstance(t, int) for t in subject):
+            # A prompt in parts (llama.cpp's infill, Ollama's system + prompt): one text.
+            subject = "".join(p for p in subject if isinstance(p, str))
+        query: dict[str, Any] = {"messages": subject} if chat else {"prompt": subject}
         if "model" in payload:
             query["model"] = payload["model"]
         try:
@@ -191,11 +232,13 @@ def _count_events(tracked: InflightRequest, data: bytes) -> bytes:
                 chunk = json.loads(line[5:])
             except (ValueError, RecursionError):
                 continue
-            usage = chunk.get("usage") if isinstance(chunk, dict) else None
-            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                tracked.generated = usage["completion_tokens"]
-                _prompt_from_usage(tracked, usage)
-            elif isinstance(chunk, dict) and chunk.get("choices"):
+            if not isinstance(chunk, dict):
+                continue
+            generated, prompt = _answer_counts(chunk)
+            if generated is not None:
+                tracked.generated = generated
+                _prompt_from_usage(tracked, {"prompt_tokens": prompt})
+            elif _is_token_chunk(chunk):
                 tracked.generated += 1  # one token per content chunk, as engines stream
     return tail
 
@@ -206,10 +249,69 @@ def _count_usage(tracked: InflightRequest, body: bytes) -> None:
         data = json.loads(body)
     except (ValueError, RecursionError):  # an engine's garbage must not fail the answer
         return
-    usage = data.get("usage") if isinstance(data, dict) else None
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        tracked.generated = usage["completion_tokens"]
-        _prompt_from_usage(tracked, usage)
+    if isinstance(data, list):  # a batch (SGLang's /generate, TGI's POST /): one per item
+        counts = [_answer_counts(item) for item in data if isinstance(item, dict)]
+        if counts and all(c[0] is not None for c in counts):
+            tracked.generated = sum(c[0] or 0 for c in counts)
+        return
+    if not isinstance(data, dict):
+        return
+    generated, prompt = _answer_counts(data)
+    if generated is not None:
+        tracked.generated = generated
+        _prompt_from_usage(tracked, {"prompt_tokens": prompt})
+
+
+def _answer_counts(data: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(generated, prompt) tokens an answer or stream event states, each None when it does not.
+
+    OpenAI's ``usage`` (completion_tokens, prompt_tokens); the Responses API's and
+    Anthropic's (output_tokens, input_tokens; the Responses API's inside
+    ``response`` on its last event); SGLang's ``meta_info``; llama.cpp's
+    ``tokens_predicted`` and ``tokens_evaluated``; TGI's ``details``; Ollama's
+    ``eval_count`` and ``prompt_eval_count``.
+    """
+    usage = data.get("usage")
+    if not isinstance(usage, dict) and isinstance(data.get("response"), dict):
+        usage = data["response"].get("usage")
+    if isinstance(usage, dict):
+        for generated, prompt in (
+            ("completion_tokens", "prompt_tokens"),
+            ("output_tokens", "input_tokens"),
+        ):
+            if _count(usage.get(generated)) is not None:
+                return usage[generated], _count(usage.get(prompt))
+    meta = data.get("meta_info")
+    if isinstance(meta, dict) and _count(meta.get("completion_tokens")) is not None:
+        return meta["completion_tokens"], _count(meta.get("prompt_tokens"))
+    if data.get("stop") is True and _count(data.get("tokens_predicted")) is not None:
+        return data["tokens_predicted"], _count(data.get("tokens_evaluated"))
+    details = data.get("details")
+    if isinstance(details, dict) and _count(details.get("generated_tokens")) is not None:
+        return details["generated_tokens"], None
+    if data.get("done") is True and _count(data.get("eval_count")) is not None:
+        return data["eval_count"], _count(data.get("prompt_eval_count"))
+    return None, None
+
+
+def _is_token_chunk(chunk: dict[str, Any]) -> bool:
+    """Whether a stream event carries generated text (one token, as engines stream).
+
+    OpenAI's ``choices``, the Responses API's and Anthropic's text deltas, SGLang's
+    ``text``, llama.cpp's ``content``, TGI's ``token`` and Triton's ``text_output``.
+    """
+    if chunk.get("choices"):
+        return True
+    if chunk.get("type") in ("response.output_text.delta", "content_block_delta"):
+        return True
+    return any(key in chunk for key in ("text", "content", "token", "text_output"))
+
+
+def _count(value: object) -> int | None:
+    """``value`` when it is a token count an engine could state, else None."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
 
 
 def _prompt_from_usage(tracked: InflightRequest, usage: dict[str, Any]) -> None:

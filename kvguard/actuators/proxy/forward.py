@@ -48,6 +48,11 @@ HOP_BY_HOP = frozenset(
     }
 )
 USAGE_SCAN_BYTES = 1024 * 1024  # whole answers are read for `usage` up to this size
+# Headers aiohttp's client adds on its own when the request lacks them: the engine
+# must see the client's request, not one with a Content-Type, Accept, Accept-Encoding
+# or User-Agent the client never sent (a body without Content-Type would arrive as
+# application/octet-stream). The client's own pass through.
+NOT_ADDED = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
 
 
 class Forwarder:
@@ -96,7 +101,12 @@ class Forwarder:
         try:
             try:
                 upstream = await self._session().request(
-                    request.method, url, headers=headers, data=body or None, allow_redirects=False
+                    request.method,
+                    url,
+                    headers=headers,
+                    data=body or None,
+                    allow_redirects=False,
+                    skip_auto_headers=NOT_ADDED,
                 )
             except asyncio.CancelledError:
                 if tracked is None or not tracked.cancelled or task is None:
@@ -107,11 +117,19 @@ class Forwarder:
                 return self._cancelled(tracked)
             except (asyncio.TimeoutError, TimeoutError):
                 self._counters.upstream_errors["504"] += 1
-                return _error(504, "the engine did not answer in time", "upstream_timeout")
+                return _error(
+                    504,
+                    "the engine did not answer in time",
+                    "upstream_timeout",
+                    headers=self._while_restarting(),
+                )
             except aiohttp.ClientError as exc:
                 self._counters.upstream_errors["502"] += 1
                 return _error(
-                    502, f"the engine is unreachable: {type(exc).__name__}", "upstream_unreachable"
+                    502,
+                    f"the engine is unreachable: {type(exc).__name__}",
+                    "upstream_unreachable",
+                    headers=self._while_restarting(),
                 )
             if tracked is not None:
                 tracked.cancel = upstream.close
@@ -147,7 +165,12 @@ class Forwarder:
                 if tracked is not None and tracked.cancelled:
                     return self._cancelled(tracked)
                 self._counters.upstream_errors["502"] += 1
-                return _error(502, "the engine closed the connection", "upstream_error")
+                return _error(
+                    502,
+                    "the engine closed the connection",
+                    "upstream_error",
+                    headers=self._while_restarting(),
+                )
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(_forward_headers(upstream.headers))
         if "Content-Length" in upstream.headers:
@@ -189,6 +212,15 @@ class Forwarder:
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
         return response
+
+    def _while_restarting(self) -> dict[str, str] | None:
+        """``Retry-After`` while kvguard knows the engine is restarting, else nothing.
+
+        Then the error is known to end soon: without it, SDK clients retry at once
+        (or give up) and spend their retries inside the restart.
+        """
+        seconds = self._mitigations.restart_retry_after_s
+        return None if seconds is None else {"Retry-After": str(seconds)}
 
     def _cancelled(self, tracked: InflightRequest) -> web.StreamResponse:
         """The 503 for a request kvguard cancelled before its answer began."""

@@ -7,33 +7,68 @@ review, fuzz and change on its own.
 
 It is no open proxy and forwards nothing malformed: absolute-URI, authority
 (CONNECT) and asterisk request targets, unusual methods, dot segments and encoded
-slashes in paths, control characters in header values, paths outside
-``allowed_paths`` or inside ``blocked_paths`` (the engines' admin endpoints by
-default), variants of a generation path (``/V1/completions``,
+slashes in paths, control characters in header values, paths that are no route
+the engine serves its clients (an allowlist per engine, :mod:`.routes`) unless
+``allowed_paths`` adds them, paths inside ``blocked_paths`` (the engines' admin
+endpoints by default), variants of a generation path (``/V1/completions``,
 ``/v1/completions/``) that would slip past shedding and accounting, and generation
 bodies that are not a JSON object or carry a ``max_tokens`` that is not a positive
-integer are all refused here.
+integer are all refused here. So are bodies kvguard could not parse cheaply or pass
+on: more than ``max_body_values`` JSON values (counted before parsing), text that is
+not UTF-8 or holds a lone surrogate, numbers no double holds (:func:`parse_json`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
+import math
+import re
 from typing import Any
 
 from aiohttp import web
 
+from kvguard.actuators.proxy.routes import (
+    ADMIN_ROUTES,
+    ALL_ROUTES,
+    Route,
+    find_route,
+    path_served,
+    routes_for,
+)
 from kvguard.actuators.proxy.settings import ProxySettings
 from kvguard.config.fields import PATH_METHODS
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# Every engine's generation routes (their patterns); which ones a request may take
+# depends on the engine's kind (routes.py).
+GENERATION_PATHS = frozenset(r.pattern for r in ALL_ROUTES if r.role == "generation")
+# Roles of the routes forwarded; admin and unserved ones are refused (routes.py).
+FORWARDED_ROLES = frozenset({"generation", "client", "model"})
+# Where screen_request leaves the route a request is, for the handler.
+ROUTE_KEY: web.RequestKey[Route | None] = web.RequestKey("kvguard_route")
 # What an inference API is called with; TRACE, CONNECT and inventions are refused.
 ALLOWED_METHODS = frozenset(PATH_METHODS)
 # No engine takes more tokens than this (int32); a bigger max_tokens is malformed.
 MAX_TOKENS_LIMIT = 2**31 - 1
+# Bodies up to this size are parsed on the loop (at most ~20k values: milliseconds);
+# larger ones in _PARSER's thread.
+PARSE_INLINE_BYTES = 64 * 1024
+# One thread parses large bodies, one at a time: the parse holds the GIL, so more
+# threads would not parse faster, and the loop's default executor (the probes') stays
+# free during a flood of large bodies.
+_PARSER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvguard-json")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def screen_request(request: web.Request, settings: ProxySettings) -> tuple[int, str, str] | None:
-    """Why ``request`` must not be forwarded, as (status, reason, message); None if it may."""
+def screen_request(
+    request: web.Request, settings: ProxySettings, kind: str | None = None
+) -> tuple[int, str, str] | None:
+    """Why ``request`` must not be forwarded, as (status, reason, message); None if it may.
+
+    ``kind`` is the engine's (None while unknown): it picks the routes forwarded. The
+    route the request is goes in ``request[ROUTE_KEY]`` (None: ``allowed_paths``).
+    """
     if request.method not in ALLOWED_METHODS:
         return (
             405,
@@ -62,35 +97,87 @@ def screen_request(request: web.Request, settings: ProxySettings) -> tuple[int, 
                 "bad_header",
                 (f"header {_shown(name)} holds a control character or bytes that are not UTF-8"),
             )
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        # aiohttp decompresses a request body as it reads it: forwarded, the engine would
+        # get other bytes than the client sent, under a header that no longer says so
+        # (and a corrupt one arrived empty). The engines read plain bodies anyway.
+        return (
+            415,
+            "content_encoding",
+            (
+                f"request bodies with Content-Encoding {_shown(encoding)} are not"
+                " forwarded: send the body uncompressed"
+            ),
+        )
     path_problem = _path_problem(raw, request.path)
     if path_problem is not None:
         return 400, "bad_path", path_problem
-    normal = normal_path(request.path)
-    if not any(_under(normal, prefix) for prefix in settings.allowed_paths):
-        return (
-            404,
-            "path_not_allowed",
-            (f"{_shown(request.path)} is not forwarded to the engine ([proxy] allowed_paths)"),
-        )
-    if any(_blocks(entry, request.method, normal) for entry in settings.blocked_paths):
+    refusal, route = check_path(request.method, request.path, settings, kind)
+    # The handler reads the route (its role and body shape) instead of matching again.
+    request[ROUTE_KEY] = route
+    return refusal
+
+
+def check_path(
+    method: str, path: str, settings: ProxySettings, kind: str | None = None
+) -> tuple[tuple[int, str, str] | None, Route | None]:
+    """Whether ``method`` on (decoded) ``path`` may reach the engine, and as which route.
+
+    The refusal (status, reason, message) or None, and the engine route it is (None
+    when ``[proxy] allowed_paths`` is what lets it through). In order:
+    ``blocked_paths`` refuses (403); a route of the engine's table
+    (:mod:`.routes`, every engine's while ``kind`` is unknown) that is served
+    passes — a generation route only as the engine writes it; ``allowed_paths``
+    lets anything else through, as is; an admin route of any engine is refused
+    (403); everything else is not forwarded (404).
+    """
+    normal = normal_path(path)
+    if any(_blocks(entry, method, normal) for entry in settings.blocked_paths):
         return (
             403,
             "path_blocked",
             (
-                f"{request.method} {_shown(request.path)} is an engine admin endpoint and is not"
+                f"{method} {_shown(path)} is an engine admin endpoint and is not"
                 " served through the proxy ([proxy] blocked_paths); call it on the engine's"
                 " own address"
             ),
-        )
-    if normal in GENERATION_PATHS and request.path != normal:
-        # Shedding, capping and accounting key on the exact path: a variant the engine
-        # would redirect or 404 anyway must not slip past them.
+        ), None
+    routes = routes_for(kind)
+    route = find_route(routes, method, normal)
+    if route is not None and route.role in FORWARDED_ROLES:
+        if route.role == "generation" and not route.canonical(path):
+            # Shedding, capping and accounting key on the route: a variant the engine
+            # would redirect or 404 anyway must not slip past them.
+            return (
+                400,
+                "bad_path",
+                f"{_shown(path)} is not a generation path: write it as {route.pattern}",
+            ), None
+        return None, route
+    if any(_under(normal, prefix) for prefix in settings.allowed_paths):
+        return None, None
+    if find_route(ADMIN_ROUTES, method, normal) is not None:
         return (
-            400,
-            "bad_path",
-            f"{_shown(request.path)} is not a generation path: write it as {normal}",
-        )
-    return None
+            403,
+            "path_blocked",
+            (
+                f"{method} {_shown(path)} is an engine admin endpoint and is not served"
+                " through the proxy; call it on the engine's own address"
+            ),
+        ), None
+    served = path_served(routes, normal)
+    if served:
+        because = f": the engine serves it for {', '.join(served)} only"
+    elif route is not None:
+        because = f": {route.why}"
+    else:
+        because = " ([proxy] allowed_paths adds paths)"
+    return (
+        404,
+        "path_not_allowed",
+        f"{method} {_shown(path)} is not forwarded to the engine{because}",
+    ), None
 
 
 def normal_path(path: str) -> str:
@@ -137,20 +224,107 @@ def _shown(text: str, limit: int = 80) -> str:
 
 
 class _MalformedJSONError(ValueError):
-    """A body that is not strict JSON (RFC 8259)."""
+    """A body that is not strict JSON (RFC 8259), or holds what kvguard cannot pass on."""
 
 
 def _reject_constant(name: str) -> object:
     raise _MalformedJSONError(f"{name} is not JSON")
 
 
-def _json_or_error(body: bytes) -> object:
-    """``body`` parsed as strict JSON, or a :class:`_MalformedJSONError` instance."""
+def count_values(body: bytes, limit: int) -> int:
+    """About how many JSON values ``body`` holds: its ``{``, ``[`` and ``,`` outside strings.
+
+    What parsing a body costs (time holding the GIL, memory: 50 to 100 bytes a
+    value) grows with its values, not its bytes. The raw bytes are counted first
+    (in C, no copy); only a body whose raw count is over ``limit`` (commas in its
+    text count there too) is walked string by string, and only until it passes
+    ``limit``.
+    """
+    raw = body.count(b"{") + body.count(b"[") + body.count(b",")
+    if raw <= limit:
+        return raw
+    count, start, end, find = 0, 0, len(body), body.find
+    while True:
+        quote = find(b'"', start)
+        stop = end if quote < 0 else quote
+        count += body.count(b"{", start, stop) + body.count(b"[", start, stop)
+        count += body.count(b",", start, stop)
+        if count > limit or quote < 0:
+            return count
+        close = quote  # the string ends at the next quote no backslash escapes
+        while True:
+            close = find(b'"', close + 1)
+            if close < 0:
+                return count  # unterminated: the parser calls it malformed
+            slashes = 0
+            while body[close - 1 - slashes] == 0x5C:  # stops at the opening quote
+                slashes += 1
+            if slashes % 2 == 0:
+                break
+        start = close + 1
+
+
+def parse_json(body: bytes, max_values: int) -> object:
+    r"""``body`` parsed as strict JSON, or a :class:`_MalformedJSONError` saying why not.
+
+    Strict: UTF-8 (RFC 8259), no NaN or Infinity, at most ``max_values`` values
+    (:func:`count_values`, before anything is parsed), and nothing kvguard could
+    not pass on or measure: a lone surrogate (``"\udfff"``), which no UTF-8 text
+    holds, and a number too large for a double (``1e999``), which would be
+    forwarded as ``Infinity`` once a cap rewrites the body.
+    """
+    if count_values(body, max_values) > max_values:
+        return _MalformedJSONError(
+            f"it holds more than {max_values} JSON values ([proxy] max_body_values)"
+        )
+    if json.detect_encoding(body) not in ("utf-8", "utf-8-sig"):
+        return _MalformedJSONError("it is not UTF-8 (RFC 8259)")
     try:
-        return json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
-        # Deep nesting raises RecursionError: malformed for us, never a 500.
-        return _MalformedJSONError(type(exc).__name__)
+        # Strict UTF-8: raw surrogate bytes are malformed here (json.loads would let
+        # them through as text no encoder can write back).
+        payload = json.loads(body.decode("utf-8-sig"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        return _MalformedJSONError("it is not UTF-8 (RFC 8259)")
+    except RecursionError:
+        return _MalformedJSONError("it is nested too deeply")
+    except ValueError as exc:  # JSONDecodeError (where it broke), or NaN/Infinity
+        return _MalformedJSONError(str(exc))
+    problem = _unsendable(payload)
+    return payload if problem is None else _MalformedJSONError(problem)
+
+
+async def read_json(body: bytes, max_values: int) -> object:
+    """:func:`parse_json`, in the parsing thread for a body over ``PARSE_INLINE_BYTES``.
+
+    The thread keeps the loop free while a large body is counted and checked
+    (Python code, which yields the GIL); the parse itself is C that holds the GIL
+    throughout, so what bounds how long a parse can stall the loop is
+    ``max_values``, not the thread.
+    """
+    if len(body) <= PARSE_INLINE_BYTES:
+        return parse_json(body, max_values)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_PARSER, parse_json, body, max_values)
+
+
+def _unsendable(payload: object) -> str | None:
+    """Why a parsed body cannot be passed on as text, or None (one walk, no copies)."""
+    stack = [payload]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            # isascii() reads a flag: only non-ASCII text is searched.
+            if not item.isascii() and _SURROGATE.search(item):
+                return "a string holds a lone surrogate (an unpaired \\ud800-\\udfff escape)"
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return "a number is too large for a double"
+        elif isinstance(item, dict):
+            stack.extend(item)  # the keys: strings too
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
 
 
 def _malformed_generation(payload: object, body: bytes, *, chat: bool) -> str | None:
@@ -158,7 +332,8 @@ def _malformed_generation(payload: object, body: bytes, *, chat: bool) -> str | 
     if not body:
         return None  # nothing to parse; the engine says what it needs
     if isinstance(payload, _MalformedJSONError):
-        return "the body must be one JSON object (strict JSON: no NaN or Infinity)"
+        why = f": {payload}" if str(payload) else ""
+        return f"the body must be one JSON object (strict JSON: UTF-8, no NaN or Infinity){why}"
     if not isinstance(payload, dict):
         return f"the body must be a JSON object, not {type(payload).__name__}"
     for key in ("max_tokens", "max_completion_tokens"):

@@ -26,7 +26,13 @@ class ProxySettings:
     trust_priority_header: bool = True  # False: only the API-key map or the default decide
     default_priority: str = "standard"
     api_key_priorities: Mapping[str, str] | None = field(default=None, repr=False)  # secrets
-    max_body_bytes: int = 16 * 1024 * 1024
+    # Request bodies: their size, their JSON values, the memory those being read and
+    # admitted hold at once, and how fast they must arrive (docs/proxy.md, Limits).
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_values: int = 32_768
+    max_body_memory: int = 48 * 1024 * 1024
+    client_body_timeout_s: float = 10.0
+    client_body_min_rate: int = 32 * 1024  # bytes per second, after client_body_timeout_s
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     upstream_keepalive_s: float = DEFAULT_KEEPALIVE_S  # under the engine's keep-alive timer
@@ -40,9 +46,10 @@ class ProxySettings:
     # excess is shed. shed_ratio 0 (or an unknown pool) sheds the whole class at once.
     shed_ratio: float = 0.8
     shed_wait_s: float = 2.0
-    # Path prefixes (whole segments, case-insensitive) forwarded, and refused among them
-    # (a refused entry may name one method: "POST /props").
-    allowed_paths: tuple[str, ...] = ("/",)
+    # Path prefixes (whole segments, case-insensitive) forwarded besides the engine's own
+    # client routes (routes.py), as they are: never admitted; and prefixes refused
+    # whatever allows them (an entry may name one method: "POST /props").
+    allowed_paths: tuple[str, ...] = ()
     blocked_paths: tuple[str, ...] = ENGINE_ADMIN_PATHS
 
 
@@ -55,4 +62,4 @@ class ProxyCounters:
         self.rejected: Counter[str] = Counter()  # reason (window caps, malformed requests)
         # reason: largest, drain (both present from the start: 0 is not absent)
         self.cancelled: Counter[str] = Counter({"largest": 0, "drain": 0})
-        self.upstream_errors: Counter[str] = Counter()  # 502/504/413
+        self.upstream_errors: Counter[str] = Counter()  # 408/413/503 (body), 502/504

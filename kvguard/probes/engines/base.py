@@ -5,7 +5,9 @@ hands it an :class:`EngineScrape`; the adapter maps that engine's metric names i
 one normalized :class:`~kvguard.core.snapshot.EngineStats`. Exposition text is
 parsed once, with ``prometheus_client``'s parser, into :class:`Samples`; a series
 the engine does not export (renamed, removed, not yet observed) becomes ``None``,
-never an exception.
+never an exception. A series it exports with a garbage value (a ratio outside
+[0, 1], a negative or non-finite count, ``1e308``) is a :class:`ProbeError` that
+names the series: kvguard must not act on it as a reading.
 
 That parser costs about 18 µs a series, and a data-parallel vLLM exports well over
 a thousand series of which an adapter reads a few dozen. So each adapter declares
@@ -79,11 +81,24 @@ class EngineAdapter(Protocol):
         ...
 
 
+# The largest count a series may report: past 2**53 a float no longer holds every
+# integer, and products of such counts (blocks x block size) leave the float range.
+# Real counts are far below it (a year of 10^5 tokens/s is about 3e12).
+MAX_COUNT = 2.0**53
+# Slack around a ratio's [0, 1] for an engine's float arithmetic (1 - free/total);
+# a value inside it is clamped, one outside it is an error.
+RATIO_SLACK = 1e-9
+
+
 class Samples:
     """Exposition text parsed once: sample name -> every (labels, value) under it.
 
-    Non-finite values (``NaN``, ``±Inf``) are dropped: an engine reports NaN for
-    "no data yet", which is "unknown" here. Lookups of absent names give ``None``.
+    :meth:`series` gives the values as the engine wrote them. The lookups adapters
+    read with (:meth:`total`, :meth:`highest`, :meth:`histogram`, :meth:`ratios`,
+    :meth:`highest_ratio`) check each value they use and raise :class:`ProbeError`
+    naming the series when it is garbage: a count that is negative, not finite
+    (``NaN``, ``±Inf``) or over :data:`MAX_COUNT`; a ratio outside [0, 1]. Lookups
+    of absent names give ``None``.
     """
 
     def __init__(self, by_name: dict[str, Series]) -> None:
@@ -94,7 +109,10 @@ class Samples:
         return self._by_name.keys()
 
     def series(self, name: str, **where: str) -> Series:
-        """The samples named ``name`` whose labels include ``where`` (empty when absent)."""
+        """The samples named ``name`` whose labels include ``where`` (empty when absent).
+
+        Unchecked: the values are the engine's, ``NaN`` and ``±Inf`` included.
+        """
         found = self._by_name.get(name, [])
         if not where:
             return list(found)
@@ -105,15 +123,29 @@ class Samples:
         return next((name for name in names if self._by_name.get(name)), None)
 
     def total(self, *names: str, **where: str) -> float | None:
-        """Sum over label sets of the first present name (engines, ranks, reasons)."""
-        name = self.first_present(*names)
-        values = [v for _, v in self.series(name, **where)] if name else []
+        """Sum over label sets of the first present name (engines, ranks, reasons).
+
+        Every value summed must be a count; raises :class:`ProbeError` otherwise.
+        """
+        values = self._counts(names, where)
         return math.fsum(values) if values else None
 
     def highest(self, *names: str, **where: str) -> float | None:
-        """Largest value over label sets of the first present name (the tightest engine)."""
+        """Largest count over label sets of the first present name (the tightest engine)."""
+        values = self._counts(names, where)
+        return max(values) if values else None
+
+    def ratios(self, name: str, **where: str) -> Series:
+        """The samples of ``name``, each checked to be a ratio in [0, 1]."""
+        return [
+            (labels, check_ratio(name, labels, value))
+            for labels, value in self.series(name, **where)
+        ]
+
+    def highest_ratio(self, *names: str, **where: str) -> float | None:
+        """Largest ratio over label sets of the first present name; each must be in [0, 1]."""
         name = self.first_present(*names)
-        values = [v for _, v in self.series(name, **where)] if name else []
+        values = [value for _, value in self.ratios(name, **where)] if name else []
         return max(values) if values else None
 
     def histogram(self, name: str) -> HistogramSummary | None:
@@ -122,6 +154,68 @@ class Samples:
         if total is None or count is None:
             return None
         return HistogramSummary(sum=total, count=count)
+
+    def _counts(self, names: tuple[str, ...], where: dict[str, str]) -> list[float]:
+        name = self.first_present(*names)
+        if name is None:
+            return []
+        return [check_count(name, labels, value) for labels, value in self.series(name, **where)]
+
+
+def check_count(name: str, labels: Labels, value: float) -> float:
+    """``value`` when it is a count (finite, 0 to :data:`MAX_COUNT`); else :class:`ProbeError`.
+
+    Engines' counts, counters, token and block figures are never negative; NaN or
+    infinity is no count, and a figure past :data:`MAX_COUNT` overflows what is made of it.
+    """
+    if math.isfinite(value) and 0 <= value <= MAX_COUNT:
+        return value
+    raise ProbeError(
+        PROBE_NAME,
+        f"{_shown(name, labels)} is {value:g}: a count must be a finite number"
+        f" from 0 to {MAX_COUNT:.0f}",
+    )
+
+
+def check_ratio(name: str, labels: Labels, value: float) -> float:
+    """``value`` as a ratio, clamped to [0, 1] within :data:`RATIO_SLACK`; else a ProbeError."""
+    if math.isfinite(value) and -RATIO_SLACK <= value <= 1 + RATIO_SLACK:
+        return min(max(value, 0.0), 1.0)
+    raise ProbeError(
+        PROBE_NAME,
+        f"{_shown(name, labels)} is {value:g}: a ratio must be a finite number in [0, 1]",
+    )
+
+
+def count_label(name: str, labels: Labels, key: str) -> int | None:
+    """Label ``key`` of a sample of ``name``, read as a count (vLLM's ``num_gpu_blocks``).
+
+    ``None`` when absent or not a number (vLLM writes ``"None"`` before it has
+    profiled); :class:`ProbeError` when it is a number but no count (negative, not
+    finite, over :data:`MAX_COUNT`).
+    """
+    text = labels.get(key)
+    if text is None:
+        return None
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    if math.isfinite(number) and 0 <= number <= MAX_COUNT:
+        return round(number)
+    raise ProbeError(
+        PROBE_NAME,
+        f"{_shown(name, labels)}: label {key}={text[:40]!r} is not a count"
+        f" (a finite number from 0 to {MAX_COUNT:.0f})",
+    )
+
+
+def _shown(name: str, labels: Labels) -> str:
+    """A series as an error names it: its name and labels, cut to a readable length."""
+    if not labels:
+        return name
+    text = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    return f"{name}{{{text[:120] + '...' if len(text) > 120 else text}}}"
 
 
 def histogram_names(*names: str) -> tuple[str, ...]:
@@ -205,8 +299,8 @@ def parse_exposition(text: str, reads: Collection[str] | None = None) -> Samples
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if math.isfinite(sample.value):
-                    by_name.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+                # Non-finite values too: the lookups judge them, naming the series.
+                by_name.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
     # The parser signals bad input with ValueError, but a few malformed shapes
     # surface as IndexError/KeyError/TypeError from inside it.
     except (ValueError, IndexError, KeyError, TypeError) as exc:
@@ -237,7 +331,7 @@ def as_int(value: float | str | None) -> int | None:
         return None
     try:
         number = float(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: an int past the float range
         return None
     return round(number) if math.isfinite(number) else None
 

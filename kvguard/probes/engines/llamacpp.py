@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats
-from kvguard.probes.engines.base import EngineScrape, as_int, parse_exposition, ratio
+from kvguard.probes.engines.base import MAX_COUNT, EngineScrape, as_int, parse_exposition, ratio
 
 READS = frozenset(
     {
@@ -96,8 +96,14 @@ def _capacity_from_props(props: dict[str, Any] | None) -> int | None:
 
 
 def _count(value: object) -> int | None:
-    """A non-negative JSON number as an int; None for anything else (bools included)."""
+    """A JSON count as an int; None for anything else (bools, negatives, past MAX_COUNT).
+
+    ``/slots`` and ``/props`` are extras: garbage there leaves the fields they feed
+    unknown rather than failing the tick. The cap keeps a 1e308 from becoming an int
+    that no later float conversion survives.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    number = as_int(value)
-    return number if number is not None and number >= 0 else None
+    # A JSON integer is a Python int of any size: compared as is, never through float().
+    number = value if isinstance(value, int) else as_int(value)
+    return number if number is not None and 0 <= number <= MAX_COUNT else None

@@ -44,7 +44,7 @@ class SglangAdapter:
         return EngineStats(
             kind="sglang",
             up=scrape.healthy,
-            kv_cache_usage_ratio=samples.highest("sglang:token_usage"),
+            kv_cache_usage_ratio=samples.highest_ratio("sglang:token_usage"),
             kv_capacity_tokens=capacity,
             kv_capacity_blocks=(
                 capacity // page_size if capacity is not None and page_size else None

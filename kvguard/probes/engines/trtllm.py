@@ -33,7 +33,7 @@ class TrtllmAdapter:
         tokens_per = as_int(samples.highest(KV_BLOCKS, kv_cache_block_type="tokens_per"))
         usage = ratio(used_blocks, max_blocks)
         if usage is None:  # Triton's own ratio, when the block counts are missing
-            usage = samples.highest(KV_BLOCKS, kv_cache_block_type="fraction")
+            usage = samples.highest_ratio(KV_BLOCKS, kv_cache_block_type="fraction")
         return EngineStats(
             kind="trtllm",
             up=scrape.healthy,

@@ -15,11 +15,12 @@ from kvguard.core.snapshot import EngineAction, EngineKind, EngineShare, EngineS
 from kvguard.probes.engines.base import (
     EngineScrape,
     Samples,
-    as_int,
+    count_label,
     histogram_names,
     parse_exposition,
 )
 
+CACHE_CONFIG = "vllm:cache_config_info"  # an info series: its labels are the figures
 USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, then old
 # The per-engine series an EngineShare is made of (beside usage and cache_config_info).
 SHARE_COUNTS = (
@@ -30,7 +31,7 @@ SHARE_COUNTS = (
 READS = frozenset(
     {
         *USAGE_NAMES,
-        "vllm:cache_config_info",
+        CACHE_CONFIG,
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:num_preemptions_total",
@@ -100,7 +101,7 @@ def _usage_by_engine(samples: Samples) -> dict[str, float]:
     usage: dict[str, float] = {}
     if name is None:
         return usage
-    for labels, value in samples.series(name):
+    for labels, value in samples.ratios(name):
         engine = _engine_of(labels)
         usage[engine] = max(value, usage.get(engine, value))
     return usage
@@ -147,10 +148,10 @@ def _rank(label: str) -> int | None:
 def _cache_configs(samples: Samples) -> dict[str, _CacheConfig]:
     # The label set changes between versions: read whichever labels are there.
     configs: dict[str, _CacheConfig] = {}
-    for labels, _ in samples.series("vllm:cache_config_info"):
+    for labels, _ in samples.series(CACHE_CONFIG):
         configs[_engine_of(labels)] = _CacheConfig(
-            num_gpu_blocks=as_int(labels.get("num_gpu_blocks")),
-            block_size=as_int(labels.get("block_size")),
+            num_gpu_blocks=count_label(CACHE_CONFIG, labels, "num_gpu_blocks"),
+            block_size=count_label(CACHE_CONFIG, labels, "block_size"),
             cache_dtype=labels.get("cache_dtype") or None,
         )
     return configs
