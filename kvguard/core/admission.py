@@ -135,14 +135,23 @@ def fits_pool(in_flight: int, own: int, pool: int | None, ratio: float) -> bool:
     return in_flight + own <= pool * ratio
 
 
-def may_hold(held_tokens: int, pool: int | None, shed_ratio: float) -> bool:
+def may_hold(held_tokens: int, pool: int | None, shed_ratio: float, own: int = 0) -> bool:
     """Whether one more request of a shed class may be held for room rather than shed now.
 
-    Only against a known pool, with holding enabled (``shed_ratio`` above 0), and
-    while the projections already held stay under ``HELD_POOLS`` times ``shed_ratio``
-    of the pool: a flood of shed requests must not pile up without bound.
+    Only against a known pool, with holding enabled (``shed_ratio`` above 0), for a
+    request whose own projection (``own`` tokens; 0 while not yet known) could fit
+    ``shed_ratio`` of the pool at all, and while the projections already held stay
+    under ``HELD_POOLS`` times that: a flood of shed requests must not pile up without
+    bound (the last one held overshoots it by at most one share), and one request of
+    ``n`` = 2^31 sequences must not take the whole bound and get every other one shed
+    at once.
     """
-    return pool is not None and shed_ratio > 0 and held_tokens < pool * shed_ratio * HELD_POOLS
+    if pool is None or shed_ratio <= 0:
+        return False
+    share = pool * shed_ratio
+    if own > share:
+        return False  # it could never fit: holding it only delays its 503
+    return held_tokens < share * HELD_POOLS
 
 
 def admission_enforced(mode: str, *, enforcing: bool, pool: int | None) -> bool:

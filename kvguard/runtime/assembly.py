@@ -101,13 +101,13 @@ class HeadDeadline:
     """Closes connections that have not sent a whole request head ``timeout_s`` after opening.
 
     aiohttp bounds a kept-alive connection's wait for its next request
-    (``keepalive_timeout``), but most releases kvguard supports (``aiohttp>=3.9``) do
-    not bound a new connection's wait for its first, and the newest only by that same
-    timeout: one that sends nothing, or trickles its head, stays open as long as it
-    likes. A middleware marks each connection that got a request to its handler;
-    a sweep every ``timeout_s / 5`` closes those that are older than ``timeout_s``
-    and never did. Only aiohttp's public surface is used (``Server.connections``,
-    ``request.protocol``, ``force_close``).
+    (``keepalive_timeout``), but not a new connection's wait for its first (or, in
+    its newest releases, only by that same timeout): one that sends nothing, or
+    trickles its head, stays open as long as it likes. A middleware marks each
+    connection that got a request to its handler; a sweep every ``timeout_s / 5``
+    closes those that are older than ``timeout_s`` and never did. Only aiohttp's
+    public surface is used (``Server.connections``, ``request.protocol``,
+    ``force_close``).
     """
 
     def __init__(self, timeout_s: float) -> None:

@@ -592,6 +592,12 @@ BODIES = {
         ("max_tokens",),
     ),
 }
+BODIES["vllm_invocations"] = BODIES["sglang_invocations"] = BODIES["invocations"]
+BODIES["sglang_generate"] = BODIES["native_generate"]
+BODIES["tgi_generate"] = BODIES["tgi_invocations"] = (
+    {"inputs": "hi there", "parameters": {"max_new_tokens": BIG}},
+    ("parameters", "max_new_tokens"),
+)
 
 
 def example(pattern: str) -> str:
@@ -985,3 +991,150 @@ def test_an_invocations_body_of_a_pooling_request_is_no_generation():
     chat = read_generation("invocations", {"messages": [], "max_tokens": 4})
     assert chat is not None
     assert chat.chat
+
+
+# ---------------------------------------------------------------- formats per engine
+HUGE = "lorem ipsum " * 5_000
+# Bodies carrying the fields of two formats, which the review found read in the wrong
+# one: the prompt kvguard counted, or the length field it capped, not the engine's.
+MIXED = [
+    (
+        "sglang",
+        "/generate",
+        {"inputs": "x", "text": HUGE, "sampling_params": {"max_new_tokens": BIG}},
+        ("inputs", "text", "sampling_params"),
+    ),
+    (
+        "vllm",
+        "/invocations",
+        {"inputs": "x", "prompt": HUGE, "max_tokens": BIG},
+        ("inputs", "prompt"),
+    ),
+    (
+        "tgi",
+        "/invocations",
+        {"inputs": "x", "messages": [], "parameters": {"max_new_tokens": BIG}},
+        ("inputs", "messages"),
+    ),
+    (
+        "tgi",
+        "/generate",
+        {"inputs": "x", "text": HUGE, "parameters": {"max_new_tokens": BIG}},
+        ("inputs", "text"),
+    ),
+    (
+        "vllm",
+        "/invocations",
+        {"messages": [{"role": "user", "content": "x"}], "prompt": HUGE, "max_tokens": BIG},
+        ("messages", "prompt"),
+    ),
+]
+
+
+@pytest.mark.parametrize("known", [True, False])
+@pytest.mark.parametrize("case", MIXED)
+async def test_a_body_in_two_engines_formats_is_refused(echo, proxy_for, case, known):
+    """Which format an engine reads depends on its kind, not on the keys present: refused.
+
+    kvguard read these by the keys present: SGLang's /generate as TGI (prompt "x",
+    length in parameters, which SGLang ignores), vLLM's /invocations as TGI while
+    vLLM runs a completion of the huge prompt, TGI's /invocations as chat while TGI
+    tries its generate request first.
+    """
+    kind, path, body, fields = case
+    upstream, seen = echo
+    proxy, state = await proxy_for(upstream, kind if known else None, Mitigations(max_tokens=64))
+    async with aiohttp.ClientSession() as http, http.post(f"{proxy}{path}", json=body) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["code"] == "invalid_body"
+    for field in fields:
+        assert field in error["message"]
+    assert forwarded(seen) == []
+    assert state.counters.rejected["invalid_body"] == 1
+
+
+# Bodies in one format, on an engine of a known kind: capped where that engine reads.
+ONE_FORMAT = [
+    ("vllm", "/invocations", {"prompt": "hi", "max_tokens": BIG}, ("max_tokens",)),
+    (
+        "tgi",
+        "/invocations",
+        {"inputs": "hi", "parameters": {"max_new_tokens": BIG}},
+        ("parameters", "max_new_tokens"),
+    ),
+    ("tgi", "/invocations", {"prompt": "hi", "max_tokens": BIG}, ("max_tokens",)),
+    (
+        "sglang",
+        "/invocations",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": BIG},
+        ("max_tokens",),
+    ),
+    (
+        "sglang",
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": BIG}},
+        ("sampling_params", "max_new_tokens"),
+    ),
+    (
+        "tgi",
+        "/generate",
+        {"inputs": "hi", "parameters": {"max_new_tokens": BIG}},
+        ("parameters", "max_new_tokens"),
+    ),
+    # llama.cpp keeps every field of a Responses body and reads n_predict, max_tokens
+    # and max_completion_tokens there too (server_chat_convert_responses_to_chatcmpl).
+    ("llamacpp", "/v1/responses", {"input": "hi", "n_predict": BIG}, ("n_predict",)),
+    ("llamacpp", "/v1/responses", {"input": "hi", "max_tokens": BIG}, ("max_tokens",)),
+    (
+        "llamacpp",
+        "/v1/responses",
+        {"input": "hi", "max_output_tokens": BIG, "n_predict": BIG},
+        ("n_predict",),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", ONE_FORMAT)
+async def test_a_body_is_capped_where_its_engine_reads_the_length(echo, proxy_for, case):
+    """The cap rewrites the length field of the format the engine runs the body in."""
+    kind, path, body, field = case
+    upstream, seen = echo
+    proxy, state = await proxy_for(upstream, kind, Mitigations(max_tokens=64))
+    async with aiohttp.ClientSession() as http, http.post(f"{proxy}{path}", json=body) as resp:
+        assert resp.status == 200
+    sent = json.loads(forwarded(seen)[-1][2])
+    for key in field:
+        sent = sent[key]
+    assert sent == 64
+    assert state.counters.clamped == 1
+
+
+# A format of another engine on a route of a known kind: the engine would not read its
+# prompt or length where kvguard did.
+FOREIGN = [
+    ("sglang", "/generate", {"inputs": HUGE, "parameters": {"max_new_tokens": BIG}}),
+    ("tgi", "/generate", {"text": HUGE, "sampling_params": {"max_new_tokens": BIG}}),
+    ("vllm", "/invocations", {"inputs": HUGE, "parameters": {"max_new_tokens": BIG}}),
+    ("sglang", "/invocations", {"prompt": HUGE, "max_tokens": BIG}),
+    ("sglang", "/generate", {"text": "x", "input_ids": [1] * 5_000}),
+]
+
+
+@pytest.mark.parametrize(("kind", "path", "body"), FOREIGN)
+async def test_a_format_the_engine_does_not_take_there_is_refused(
+    echo, proxy_for, kind, path, body
+):
+    """A client of one engine never needs another's fields; nor SGLang's text with ids."""
+    upstream, seen = echo
+    proxy, _ = await proxy_for(upstream, kind, Mitigations(max_tokens=64))
+    async with aiohttp.ClientSession() as http, http.post(f"{proxy}{path}", json=body) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["code"] == "invalid_body"
+    assert forwarded(seen) == []
+
+
+def test_a_vllm_invocations_body_of_no_generation_format_is_not_admitted():
+    """A vLLM engine tries its pooling requests after chat and completion: nothing to account."""
+    assert read_generation("vllm_invocations", {"input": "x"}) is None
+    assert read_generation("vllm_invocations", {"query": "x", "documents": ["y"]}) is None

@@ -128,6 +128,18 @@ def test_held_requests_are_bounded_by_held_pools():
     assert not may_hold(0, None, ratio)  # no pool to measure against
 
 
+def test_may_hold_weighs_the_requests_own_projection():
+    """A request that could never fit is not held; none may take the whole bound."""
+    pool, ratio = 10_000, 0.8
+    share = pool * ratio
+    assert may_hold(0, pool, ratio, own=int(share))  # fits the shed share exactly
+    assert not may_hold(0, pool, ratio, own=int(share) + 1)  # never fits: shed now
+    assert not may_hold(0, pool, ratio, own=2**31 * 1000)  # n = 2^31: not held
+    bound = share * HELD_POOLS
+    assert may_hold(int(bound) - 1, pool, ratio, own=int(share))  # the last one held
+    assert not may_hold(int(bound), pool, ratio, own=1)
+
+
 def test_projected_admission_is_enforced_only_live_against_a_known_pool():
     """Projected admission applies only when chosen, enforcing, and the pool is known."""
     assert admission_enforced("projected", enforcing=True, pool=1000)

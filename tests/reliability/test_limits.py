@@ -29,6 +29,7 @@ import pytest
 from aiohttp import web
 
 from kvguard.actuators.accounting import (
+    InflightRequest,
     digest,
     estimate_chat_tokens,
     estimate_tokens,
@@ -303,15 +304,37 @@ async def test_the_gate_waits_then_refuses_and_lets_one_large_body_alone():
     assert gate.held == 0
 
 
+async def test_the_oldest_share_always_grows_so_partial_bodies_never_wait_on_each_other():
+    """Shares grown chunk by chunk cannot deadlock: the oldest holder grows past the budget.
+
+    The others wait for it (up to wait_s, then 503), and go on as soon as it ends.
+    """
+    gate = BodyGate(1000, wait_s=1.0)
+    first, second = gate.share(), gate.share()
+    await first.grow(600)
+    await second.grow(300)
+    waiter = asyncio.ensure_future(second.grow(300))  # no room, and it is not the oldest
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await asyncio.wait_for(first.grow(300), 0.1)  # the oldest: over the budget, at once
+    assert gate.held == 1200
+    first.release()
+    await asyncio.wait_for(waiter, 0.5)  # now the oldest, and there is room
+    assert gate.held == 600
+    second.release()
+    assert gate.held == 0
+
+
 async def test_bodies_over_the_memory_budget_wait_then_get_503(front, upstream):
     """While one body holds the budget (its client stalls), another waits, then 503."""
     base, proxy = await front(max_body_memory=64 * 1024, client_body_timeout_s=30)
     host, port = base.removeprefix("http://").split(":")
     _, writer = await asyncio.open_connection(host, int(port))
     try:
+        # What it has sent holds the budget (3 bytes a byte: 75 kB), not what it declares.
         writer.write(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 60000\r\n\r\n{"
+            b"Content-Length: 60000\r\n\r\n{" + b" " * 25_000
         )
         await writer.drain()
         await until(lambda: proxy._bodies.held > 0)
@@ -329,6 +352,74 @@ async def test_bodies_over_the_memory_budget_wait_then_get_503(front, upstream):
         writer.close()
     await until(lambda: proxy._bodies.held == 0, timeout_s=5)
     assert (await post(base, "/v1/completions", b'{"prompt": "x"}'))[0] == 200
+
+
+def _declaring(size: int) -> bytes:
+    """A request head declaring a ``size``-byte generation body (none of it sent)."""
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % size
+    )
+
+
+async def test_declared_lengths_reserve_nothing_until_their_bytes_arrive(front, upstream):
+    """Connections declaring 4 MiB and sending nothing hold no body memory.
+
+    Before, each reserved what 4 MiB could hold parsed (~15 MiB of the 48 MiB budget)
+    from its head alone, for client_body_timeout_s: three or four such connections,
+    reconnecting as they were cut, got every other body 503 after a 2 s wait.
+    """
+    base, proxy = await front(client_body_timeout_s=30)  # the default 48 MiB budget
+    host, port = base.removeprefix("http://").split(":")
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        for _ in range(8):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(_declaring(4 * MiB))
+            await writer.drain()
+            writers.append(writer)
+        await asyncio.sleep(0.3)  # their heads are read, their bodies awaited
+        assert proxy._bodies.held == 0
+        # A 64 KiB prompt: ~3 MiB reserved before, more than the idle ones left.
+        body = json.dumps({"prompt": "word " * (64 * 1024 // 5), "max_tokens": 5}).encode()
+        started = time.monotonic()
+        status, answer = await asyncio.wait_for(post(base, "/v1/completions", body), 1.5)
+        assert status == 200, answer
+        assert time.monotonic() - started < 1
+        assert proxy.counters.upstream_errors["503"] == 0
+    finally:
+        for writer in writers:
+            writer.close()
+    await until(lambda: proxy._bodies.held == 0, timeout_s=5)
+
+
+async def test_a_request_waiting_for_room_holds_no_body_memory(front, upstream):
+    """A critical request waiting in projected admission gives its body share back first."""
+    mitigations = Mitigations()
+    mitigations.pool_tokens = 16  # one block: no request fits, a critical one waits
+    base, proxy = await front(mitigations=mitigations, admission="projected", read_timeout_s=3.0)
+    proxy.inflight.add(InflightRequest("running", "standard", 8, 8))  # the pool is taken
+    body = json.dumps({"prompt": "x " * 20_000, "max_tokens": 100}).encode()
+
+    async def critical() -> tuple[int, Any]:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                base + "/v1/completions",
+                data=body,
+                headers={"Content-Type": "application/json", "X-Priority": "critical"},
+            ) as resp,
+        ):
+            return resp.status, await resp.json()
+
+    waiting = asyncio.ensure_future(critical())
+    try:
+        await until(lambda: proxy._admission.waiting == 1, timeout_s=2)
+        assert proxy._bodies.held == 0  # it is parsed: its wait pins no body memory
+    finally:
+        status, answer = await asyncio.wait_for(waiting, 10)
+    assert status == 503, answer  # no room came within read_timeout_s
+    assert answer["error"]["code"] == "kv_cache_pressure"
 
 
 # ---------------------------------------------------------------------- slow clients

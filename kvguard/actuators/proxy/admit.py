@@ -76,15 +76,24 @@ class Admission:
             trust_header=settings.trust_priority_header,
         )
 
-    async def admit(
-        self, request: web.Request, body: bytes, request_id: str, shape: str = "completions"
+    async def admit(  # noqa: PLR0915 - one decision, step by step, as the docs tell it
+        self,
+        request: web.Request,
+        body: bytes,
+        request_id: str,
+        shape: str = "completions",
+        *,
+        parsed: Callable[[], None] | None = None,
     ) -> web.StreamResponse | tuple[bytes, InflightRequest | None]:
         """Decide on one generation request: an answer in the engine's stead, or go on.
 
         ``shape`` is how the route's body reads (:mod:`.shapes`). Going on is the body
         to forward (its answer's length clamped when a cap says so) and the request to
         account while it runs (None for an empty body, or an ``/invocations`` body
-        that is no generation request).
+        that is no generation request). ``parsed`` is called once the body is parsed
+        and checked, before it waits for room: it gives the body's memory share back
+        (:class:`.bodies.BodyGate`), so a request held for up to ``read_timeout_s``
+        does not hold the budget other bodies are read under.
         """
         priority = self.priority_of(request.headers)
         if self.draining():
@@ -182,6 +191,8 @@ class Admission:
             # known while it runs: /tokenize alongside, the count in milliseconds.
             if self.mitigations.level != "ok" or not _answer_has_usage(payload):
                 self._counter.count_later(tracked, payload, known.key, chat=chat, subject=subject)
+        if parsed is not None:
+            parsed()  # parsing is over: waiting for room must not pin the body budget
         if shed_class and not await self.hold_for_room(tracked):
             return (
                 self.refuse_draining(priority)
@@ -268,10 +279,10 @@ class Admission:
         in_flight = self._inflight.projected_tokens(mitigations.block_size)
         return rules.fits_pool(in_flight, own, pool, ratio)
 
-    def may_hold(self) -> bool:
-        """Whether a request of a shed class may be held for room rather than shed now."""
+    def may_hold(self, own: int = 0) -> bool:
+        """Whether a request of a shed class (``own`` tokens, 0 while not yet known) may be held."""
         return rules.may_hold(
-            self.held_tokens, self.mitigations.pool_tokens, self.settings.shed_ratio
+            self.held_tokens, self.mitigations.pool_tokens, self.settings.shed_ratio, own
         )
 
     async def hold_for_room(self, tracked: InflightRequest) -> bool:
@@ -286,7 +297,7 @@ class Admission:
         # Checked again here, with nothing awaited between the check and the add: in a
         # burst, many requests pass admit's early check together while their prompts
         # are tokenized, and would all be held past the bound.
-        if not self.room_under(self.settings.shed_ratio, own) and not self.may_hold():
+        if not self.room_under(self.settings.shed_ratio, own) and not self.may_hold(own):
             return False
         self.held_tokens += own
         try:
@@ -367,4 +378,6 @@ def _reads_as_chat(shape: str, payload: object) -> bool:
     """Whether the body's prompt is ``messages`` (what the OpenAI checks look at)."""
     if shape in ("chat", "messages", "ollama_chat"):
         return True
-    return shape == "invocations" and isinstance(payload, dict) and "messages" in payload
+    # Every engine's /invocations shape (vllm_invocations, sglang_invocations, ...).
+    invocations = shape.endswith("invocations")
+    return invocations and isinstance(payload, dict) and "messages" in payload

@@ -147,7 +147,8 @@ class AdmissionProxy:
         """Forward one request, applying the mitigations to generation requests.
 
         Its body counts against ``max_body_memory`` from its first byte until it is
-        admitted or refused (:class:`.bodies.BodyGate`).
+        parsed and checked, before admission waits for room in the engine's pool (or
+        until it is refused, or forwarded unparsed): :class:`.bodies.BodyGate`.
         """
         async with self._bodies.share() as share:
             return await self._handle(request, share)
@@ -163,11 +164,13 @@ class AdmissionProxy:
         tracked: InflightRequest | None = None
         route = request.get(ROUTE_KEY)  # set by the screen; OPTIONS generates nothing
         if route is not None and route.shape is not None and request.method in route.methods:
-            decided = await self._admission.admit(request, body, request_id, route.shape)
+            decided = await self._admission.admit(
+                request, body, request_id, route.shape, parsed=share.release
+            )
             if isinstance(decided, web.StreamResponse):
                 return decided
             body, tracked = decided
-        share.release()  # admitted: its bytes go to the engine, none is parsed any more
+        share.release()  # admitted (or not a generation): its bytes go to the engine
         return await self._forwarder.forward(request, headers, body, tracked)
 
     async def _refuse_body(self, request: web.Request, refused: BodyRefused) -> web.StreamResponse:

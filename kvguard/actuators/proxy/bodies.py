@@ -3,9 +3,10 @@
 The proxy must hold a generation request's whole body before it can decide on it,
 and parsing multiplies what the body weighs: a body of small JSON values takes 20
 to 30 times its size once parsed. :class:`BodyGate` bounds what the bodies being
-read and admitted hold at once (``[proxy] max_body_memory``); :func:`read_body`
-reads one body under it, refusing one over ``max_body_bytes`` (413) or one that
-does not keep up ``client_body_min_rate`` after ``client_body_timeout_s`` (408).
+read and parsed hold at once (``[proxy] max_body_memory``), counted from the bytes
+that have arrived; :func:`read_body` reads one body under it, refusing one over
+``max_body_bytes`` (413) or one that does not keep up ``client_body_min_rate``
+after ``client_body_timeout_s`` (408).
 Kept apart from the application because it is the part that waits on the client.
 """
 
@@ -44,18 +45,20 @@ class BodyRefused(Exception):  # noqa: N818 - a refusal, answered, not an error 
 
 
 class BodyGate:
-    """The memory the request bodies being read and admitted may hold at once.
+    """The memory the request bodies being read and parsed may hold at once.
 
     Each request takes a :class:`BodyShare` before its body is read and gives it back
-    once it is admitted (its body is then forwarded) or refused. A body of known
-    length first takes what it could hold at most (every two bytes a JSON value) and
-    gives back the surplus once read and counted: reservations made whole before a
-    byte is read cannot deadlock, as many bodies each holding part of the budget
-    while waiting for more would. A body sent in chunks (no ``Content-Length``)
-    grows chunk by chunk. A reservation that does not fit waits up to ``wait_s`` for
-    others to end, then the request is answered 503 with ``Retry-After``. A share
-    alone may pass ``budget``: a body the other limits let through is never refused
-    for its size alone, only read when nothing else is.
+    once its body is parsed and admission waits for room, or once it is refused. A
+    share grows with the bytes that have arrived, chunk by chunk, whether the body
+    has a ``Content-Length`` or not: a connection that declares a length and sends
+    nothing holds nothing. A growth that does not fit waits up to ``wait_s`` for
+    others to shrink, then the request is answered 503 with ``Retry-After``. The
+    oldest share holding anything may always grow: without it, bodies each holding
+    part of the budget while waiting for more could wait on one another until all
+    are refused; with it, one of them always finishes, and the bodies being read hold
+    at most the budget plus what one body may hold (``body_memory`` of
+    ``max_body_bytes``). A share alone may pass ``budget`` the same way: a body the
+    other limits let through is never refused for its size alone.
     """
 
     def __init__(self, budget: int, *, wait_s: float = ROOM_WAIT_S) -> None:
@@ -63,6 +66,8 @@ class BodyGate:
         self.wait_s = wait_s
         self.held = 0  # bytes all shares hold now
         self.waiting = 0  # shares waiting for room now
+        # The shares holding anything, oldest first (a dict keeps its insertion order).
+        self._holders: dict[BodyShare, None] = {}
         # Set (and replaced) whenever a share shrinks: waiters check again.
         self._freed = asyncio.Event()
 
@@ -75,7 +80,7 @@ class BodyGate:
         deadline = loop.time() + self.wait_s
         self.waiting += 1
         try:
-            while self.held + amount > self.budget and self.held > share.amount:
+            while not self._fits(share, amount):
                 left = deadline - loop.time()
                 if left <= 0:
                     raise BodyRefused(
@@ -94,12 +99,22 @@ class BodyGate:
             self.waiting -= 1
         self.held += amount
         share.amount += amount
+        self._holders.setdefault(share)
+
+    def _fits(self, share: BodyShare, amount: int) -> bool:
+        """Whether ``share`` may grow by ``amount`` now: room, or it is the oldest holder."""
+        if self.held + amount <= self.budget:
+            return True
+        oldest = next(iter(self._holders), None)
+        return oldest is None or oldest is share  # nothing held, or it goes first
 
     def _shrink(self, share: BodyShare, amount: int) -> None:
         amount = min(amount, share.amount)
         if amount > 0:
             self.held -= amount
             share.amount -= amount
+            if share.amount == 0:
+                self._holders.pop(share, None)
             self._freed.set()
             self._freed = asyncio.Event()
 
@@ -142,8 +157,10 @@ async def read_body(request: web.Request, settings: ProxySettings, share: BodySh
     413: over ``max_body_bytes`` (declared or read). 408: the body fell
     ``client_body_timeout_s`` behind ``client_body_min_rate`` (a client that sends
     nothing, trickles or stalls; time spent waiting for memory does not count).
-    503: no room under ``max_body_memory`` (:class:`BodyGate`). Read by hand, not
-    with ``request.read()``, which would also keep a copy on the request.
+    503: no room under ``max_body_memory`` (:class:`BodyGate`) for the bytes that
+    have arrived: ``share`` grows chunk by chunk, a declared length reserves
+    nothing. Read by hand, not with ``request.read()``, which would also keep a copy
+    on the request.
     """
     limit = settings.max_body_bytes
     declared = request.content_length
@@ -153,9 +170,7 @@ async def read_body(request: web.Request, settings: ProxySettings, share: BodySh
         return b""
     loop = asyncio.get_running_loop()
     started = loop.time()
-    if declared is not None:
-        await share.grow(body_memory(declared, declared // 2, settings))
-    waited = loop.time() - started  # waiting for memory is kvguard's time, not the client's
+    waited = 0.0  # waiting for memory is kvguard's time, not the client's
     chunks: list[bytes] = []
     size = values = 0
     while True:
@@ -179,12 +194,12 @@ async def read_body(request: web.Request, settings: ProxySettings, share: BodySh
         if size > limit:
             raise _too_large(limit)
         values += chunk.count(b"{") + chunk.count(b"[") + chunk.count(b",")
-        if declared is None:  # chunked: no length to reserve for up front
-            began = loop.time()
-            await share.grow(body_memory(size, values, settings) - share.amount)
-            waited += loop.time() - began
+        # The share grows with what has arrived, never with what a header declares: a
+        # client that declares 4 MiB and sends nothing holds nothing.
+        began = loop.time()
+        await share.grow(body_memory(size, values, settings) - share.amount)
+        waited += loop.time() - began
         chunks.append(chunk)
-    share.shrink_to(body_memory(size, values, settings))
     return b"".join(chunks)
 
 

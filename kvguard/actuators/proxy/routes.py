@@ -119,7 +119,7 @@ VLLM_ROUTES = _table(
     ("generation", "messages", "", ("POST /v1/messages",)),
     ("generation", "chat", "", ("POST /cohere/v2/chat",)),
     # SageMaker: the body is a chat or a completion request (or a pooling one).
-    ("generation", "invocations", "", ("POST /invocations",)),
+    ("generation", "vllm_invocations", "", ("POST /invocations",)),
     (
         "client",
         None,
@@ -225,12 +225,12 @@ VLLM_ROUTES = _table(
 # SGLang 0.5.23 (PyPI sglang 0.5.23): sglang/srt/entrypoints/http_server.py (with the
 # Ollama routes at their default paths), v1_loads.py, elastic_ep.py.
 SGLANG_ROUTES = _table(
-    ("generation", "native_generate", "", ("POST,PUT /generate",)),
+    ("generation", "sglang_generate", "", ("POST,PUT /generate",)),
     ("generation", "completions", "", ("POST /v1/completions",)),
     ("generation", "chat", "", ("POST /v1/chat/completions",)),
     ("generation", "responses", "", ("POST /v1/responses",)),
     ("generation", "messages", "", ("POST /v1/messages",)),
-    ("generation", "invocations", "", ("POST /invocations",)),  # a chat request
+    ("generation", "sglang_invocations", "", ("POST /invocations",)),  # a chat request
     ("generation", "ollama_chat", "", ("POST /api/chat",)),
     ("generation", "ollama_generate", "", ("POST /api/generate",)),
     (
@@ -436,13 +436,13 @@ LLAMACPP_ROUTES = _table(
 TGI_ROUTES = _table(
     (
         "generation",
-        "native_generate",
+        "tgi_generate",
         "",
         ("POST /", "POST /generate", "POST /generate_stream"),
     ),
     ("generation", "chat", "", ("POST /v1/chat/completions",)),
     ("generation", "completions", "", ("POST /v1/completions",)),
-    ("generation", "invocations", "", ("POST /invocations",)),  # generate, chat or completion
+    ("generation", "tgi_invocations", "", ("POST /invocations",)),  # generate, chat or completion
     (
         "client",
         None,
@@ -564,7 +564,17 @@ ENGINE_ROUTES: Mapping[str, tuple[Route, ...]] = {
     "tgi": TGI_ROUTES,
     "trtllm": TRTLLM_ROUTES,
 }
-ALL_ROUTES: tuple[Route, ...] = tuple(r for table in ENGINE_ROUTES.values() for r in table)
+# While the kind is unknown, a path engines read in different formats has a shape of
+# its own, first so that it wins: it reads the one format a body is in and refuses a
+# body carrying the fields of more than one (shapes.py).
+_UNKNOWN_KIND_ROUTES = _table(
+    ("generation", "invocations", "", ("POST /invocations",)),  # vLLM, SGLang, TGI
+    ("generation", "native_generate", "", ("POST /generate",)),  # SGLang, TGI
+)
+ALL_ROUTES: tuple[Route, ...] = (
+    *_UNKNOWN_KIND_ROUTES,
+    *(r for table in ENGINE_ROUTES.values() for r in table),
+)
 ADMIN_ROUTES: tuple[Route, ...] = tuple(r for r in ALL_ROUTES if r.role == "admin")
 
 

@@ -128,9 +128,12 @@ def check_path(
     when ``[proxy] allowed_paths`` is what lets it through). In order:
     ``blocked_paths`` refuses (403); a route of the engine's table
     (:mod:`.routes`, every engine's while ``kind`` is unknown) that is served
-    passes — a generation route only as the engine writes it; ``allowed_paths``
-    lets anything else through, as is; an admin route of any engine is refused
-    (403); everything else is not forwarded (404).
+    passes — a generation route only as the engine writes it; an admin route of any
+    engine is refused (403) unless an ``allowed_paths`` entry names that very path (a
+    prefix such as ``/`` or ``/v1/models`` does not open one: the admin table names
+    routes ``blocked_paths``' prefixes cannot, like Triton's per-model load and trace
+    routes); ``allowed_paths`` lets anything else under its prefixes through, as is;
+    everything else is not forwarded (404).
     """
     normal = normal_path(path)
     if any(_blocks(entry, method, normal) for entry in settings.blocked_paths):
@@ -155,9 +158,8 @@ def check_path(
                 f"{_shown(path)} is not a generation path: write it as {route.pattern}",
             ), None
         return None, route
-    if any(_under(normal, prefix) for prefix in settings.allowed_paths):
-        return None, None
-    if find_route(ADMIN_ROUTES, method, normal) is not None:
+    named = any(normal == normal_path(prefix) for prefix in settings.allowed_paths)
+    if find_route(ADMIN_ROUTES, method, normal) is not None and not named:
         return (
             403,
             "path_blocked",
@@ -166,6 +168,8 @@ def check_path(
                 " through the proxy; call it on the engine's own address"
             ),
         ), None
+    if any(_under(normal, prefix) for prefix in settings.allowed_paths):
+        return None, None
     served = path_served(routes, normal)
     if served:
         because = f": the engine serves it for {', '.join(served)} only"

@@ -6,9 +6,11 @@ sequence's context, to count), how many sequences each prompt makes (``n``,
 ``best_of``, ``n_cmpl``, ``num_return_sequences``, an SGLang ``sampling_params.n``),
 and where the answer's length is set (``max_tokens``, ``max_completion_tokens``,
 ``max_output_tokens``, ``max_new_tokens``, ``n_predict``, ``num_predict``), so a cap
-rewrites every field the engine could read. Kept apart from :mod:`.admit` because
-it is the one place that knows the engines' request formats; the sources are those
-the route tables name.
+rewrites every field the engine could read. Where a path takes several formats
+(``/invocations``, ``/generate``), the route's shape names its engine, and the body
+is read as that engine dispatches it; a body carrying the fields of two formats is
+refused. Kept apart from :mod:`.admit` because it is the one place that knows the
+engines' request formats; the sources are those the route tables name.
 """
 
 from __future__ import annotations
@@ -63,12 +65,16 @@ def read_generation(shape: str, payload: dict[str, Any]) -> Generation | None:
     """``payload`` read as ``shape``, or None when it is no generation request.
 
     None is for an ``/invocations`` body of a pooling request (vLLM's embeddings).
-    Raises :class:`ShapeError` for a body no engine would read as kvguard does.
+    Raises :class:`ShapeError` for a body no engine would read as kvguard does: on a
+    route whose engines take several formats (``/invocations``, ``/generate``), one
+    carrying the fields of more than one, or of a format the engine does not take.
     """
-    if shape == "invocations":
-        shape = _sniff_invocation(payload)
-        if shape == "pooling":
+    dispatch = _DISPATCH.get(shape)
+    if dispatch is not None:
+        found = _format_of(dispatch, payload)
+        if found is None:
             return None
+        shape = found
     reader = _READERS.get(shape)
     if reader is None:
         raise ValueError(f"no such request shape: {shape}")
@@ -86,17 +92,95 @@ def clamp(payload: dict[str, Any], generation: Generation, max_tokens: int) -> N
         _set(payload, path, max_tokens)
 
 
-def _sniff_invocation(payload: dict[str, Any]) -> str:
-    """The shape of a SageMaker ``/invocations`` body (vLLM, SGLang and TGI take several)."""
-    if "messages" in payload:
-        return "chat"
-    if "inputs" in payload:
-        return "native_generate"  # TGI's generate request
-    if "text" in payload or "input_ids" in payload:
-        return "native_generate"  # SGLang's
-    if "input" in payload and "prompt" not in payload:
-        return "pooling"  # vLLM's embedding and pooling requests: no decode to account
-    return "completions"
+# ------------------------------------------------------------- routes of several formats
+@dataclass(frozen=True)
+class _Format:
+    """A request format a route may take: the fields that mark it and its reader.
+
+    ``marks`` are the format's prompt and length fields: a body carrying one is in
+    this format. ``shape``: the reader; None for a request that does not generate.
+    """
+
+    name: str
+    marks: tuple[str, ...]
+    shape: str | None
+
+
+_CHAT = _Format("chat completion", ("messages",), "chat")
+_COMPLETION = _Format("completion", ("prompt", "prompt_embeds"), "completions")
+_POOLING = _Format("vLLM pooling", ("input",), None)
+_TGI = _Format("TGI generate", ("inputs", "parameters"), "tgi_generate")
+_SGLANG = _Format(
+    "SGLang generate", ("text", "input_ids", "input_embeds", "sampling_params"), "sglang_generate"
+)
+
+
+@dataclass(frozen=True)
+class _Dispatch:
+    """How one engine (or, while the kind is unknown, any) picks a route's format.
+
+    ``takes``: the formats the engine takes there, in the order it tries them;
+    ``route``: every format any engine takes on that path, so that a body carrying
+    the fields of two is refused whichever engine serves it; ``bare``: the shape of
+    a body carrying none (None: not a generation request).
+    """
+
+    engine: str
+    takes: tuple[_Format, ...]
+    route: tuple[_Format, ...]
+    bare: str | None
+
+
+_INVOCATIONS = (_CHAT, _COMPLETION, _TGI, _POOLING)
+_GENERATE = (_SGLANG, _TGI)
+# Each engine's own dispatch, from the source routes.py names:
+# * vLLM 0.32.0, entrypoints/serve/sagemaker/api_router.py: the first of
+#   ChatCompletionRequest (messages), CompletionRequest (prompt or prompt_embeds), then
+#   the pooling requests, that validates (generate/factories.py, pooling/factories.py);
+# * SGLang 0.5.23, srt/entrypoints/http_server.py: /invocations takes a
+#   ChatCompletionRequest only; /generate a GenerateReqInput (text, input_ids or
+#   input_embeds; sampling_params);
+# * TGI v3.3.7, router/src/sagemaker.rs: an untagged enum tried in order, Generate
+#   (inputs, parameters), Chat (messages), Completion (prompt); /, /generate and
+#   /generate_stream take a generate request.
+# A body whose fields match two formats would be read by whichever the engine's
+# deserialiser accepts first, a choice kvguard cannot see: refused.
+_DISPATCH: dict[str, _Dispatch] = {
+    "vllm_invocations": _Dispatch("vLLM", (_CHAT, _COMPLETION, _POOLING), _INVOCATIONS, None),
+    "sglang_invocations": _Dispatch("SGLang", (_CHAT,), _INVOCATIONS, "chat"),
+    "tgi_invocations": _Dispatch("TGI", (_TGI, _CHAT, _COMPLETION), _INVOCATIONS, "tgi_generate"),
+    "sglang_generate": _Dispatch("SGLang", (_SGLANG,), _GENERATE, "sglang_generate"),
+    "tgi_generate": _Dispatch("TGI", (_TGI,), _GENERATE, "tgi_generate"),
+    # The engine's kind unknown: whichever one format the body is in.
+    "invocations": _Dispatch("any engine", _INVOCATIONS, _INVOCATIONS, "completions"),
+    "native_generate": _Dispatch("any engine", _GENERATE, _GENERATE, "sglang_generate"),
+}
+
+
+def _format_of(dispatch: _Dispatch, payload: dict[str, Any]) -> str | None:
+    """The shape ``payload`` is read in under ``dispatch``; None: no generation request."""
+    found = [
+        (form, [key for key in form.marks if key in payload])
+        for form in dispatch.route
+        if any(key in payload for key in form.marks)
+    ]
+    if len(found) > 1:
+        fields = "; ".join(f"{', '.join(keys)} ({form.name})" for form, keys in found)
+        raise ShapeError(
+            f"the body carries the fields of more than one request format: {fields};"
+            " an engine reads one, so send the fields of one"
+        )
+    if not found:
+        return dispatch.bare
+    form, keys = found[0]
+    if form not in dispatch.takes:
+        raise ShapeError(
+            f"{', '.join(keys)} ({form.name}) is not a request format {dispatch.engine}"
+            " takes on this route"
+        )
+    if form is _CHAT and not isinstance(payload["messages"], list):
+        raise ShapeError(f"messages must be a list, not {type(payload['messages']).__name__}")
+    return form.shape
 
 
 # ---------------------------------------------------------------------------- readers
@@ -126,10 +210,16 @@ def _responses(payload: dict[str, Any]) -> Generation:
     instructions = payload.get("instructions")
     if instructions is not None:
         items.insert(0, {"role": "system", "content": instructions})
-    return _with_caps(payload, (items,), True, 1, ("max_output_tokens",))
+    # llama.cpp turns the body into a chat request, every other field kept
+    # (server-chat.cpp, server_chat_convert_responses_to_chatcmpl), so it also reads
+    # max_tokens, max_completion_tokens and n_predict there.
+    keys = ("max_output_tokens", "max_tokens", "max_completion_tokens", *_OPENAI_EXTRA_CAPS)
+    return _with_caps(payload, (items,), True, 1, keys)
 
 
 def _messages(payload: dict[str, Any]) -> Generation:
+    # llama.cpp builds a new chat request from the Anthropic one with max_tokens only
+    # (server_chat_convert_anthropic_to_oai): n_predict is not read there.
     messages = payload.get("messages")
     items: list[object] = list(messages) if isinstance(messages, list) else [_user(messages)]
     system = payload.get("system")
@@ -138,18 +228,22 @@ def _messages(payload: dict[str, Any]) -> Generation:
     return _with_caps(payload, (items,), True, 1, ("max_tokens",))
 
 
-def _native_generate(payload: dict[str, Any]) -> Generation:
-    if "inputs" in payload:  # TGI: one prompt, its parameters in "parameters"
-        parameters = _object(payload, "parameters")
-        samples = _samples(parameters, "best_of", "n")
-        generation = _with_caps(
-            parameters, (payload.get("inputs"),), False, samples, ("max_new_tokens",)
-        )
-        return _under("parameters", generation)
-    return _sglang_generate(payload)
+def _tgi_generate(payload: dict[str, Any]) -> Generation:
+    """TGI's generate request: one prompt, its parameters in ``parameters``."""
+    parameters = _object(payload, "parameters")
+    samples = _samples(parameters, "best_of", "n")
+    generation = _with_caps(
+        parameters, (payload.get("inputs"),), False, samples, ("max_new_tokens",)
+    )
+    return _under("parameters", generation)
 
 
 def _sglang_generate(payload: dict[str, Any]) -> Generation:
+    given = [key for key in ("text", "input_ids", "input_embeds") if key in payload]
+    if len(given) > 1:
+        # SGLang sizes the batch from text but runs input_ids (tokenizer_manager.py):
+        # kvguard would count the one the engine does not run.
+        raise ShapeError(f"the body sets {' and '.join(given)}: send one of them")
     prompts: tuple[object, ...]
     text, ids = payload.get("text"), payload.get("input_ids")
     embeds = payload.get("input_embeds")
@@ -226,13 +320,14 @@ _READERS = {
     "chat": _chat,
     "responses": _responses,
     "messages": _messages,
-    "native_generate": _native_generate,
+    "tgi_generate": _tgi_generate,
+    "sglang_generate": _sglang_generate,
     "llama": _llama,
     "triton": _triton,
     "ollama_chat": _ollama_chat,
     "ollama_generate": _ollama_generate,
 }
-SHAPES = frozenset({*_READERS, "invocations"})
+SHAPES = frozenset({*_READERS, *_DISPATCH})
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -284,8 +379,13 @@ def _with_caps(
     caps: list[FieldPath] = []
     lengths: list[int | None] = []
     for key in keys:
-        value = where.get(key)
+        if key not in where:
+            continue
+        value = where[key]
         if value is None:
+            # Sent as null: the engine reads it as unset, but a cap written elsewhere
+            # could lose to it in an engine that prefers this field; the cap goes here.
+            caps.append((key,))
             continue
         if isinstance(value, bool) or not isinstance(value, int):
             raise ShapeError(f"{key} must be an integer, not {type(value).__name__}")
