@@ -12,8 +12,12 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvguard.config.settings import ENGINE_ADMIN_PATHS
-from kvguard.http_client import DEFAULT_KEEPALIVE_S
+from kvguard.config.settings import ProxyConfig
+
+# Each default is [proxy]'s own, declared once on ProxyConfig's field (the dataclass
+# keeps it as the class attribute): a proxy built without a config file (tests, the
+# benchmarks) behaves as one built from an empty [proxy].
+_DEFAULTS = ProxyConfig
 
 
 @dataclass(frozen=True)
@@ -21,36 +25,42 @@ class ProxySettings:
     """``[proxy]``: where to listen, where to forward, how to classify and limit."""
 
     upstream: str
-    listen: str = "127.0.0.1:9000"
-    priority_header: str = "X-Priority"
-    trust_priority_header: bool = True  # False: only the API-key map or the default decide
-    default_priority: str = "standard"
+    listen: str = _DEFAULTS.listen
+    priority_header: str = _DEFAULTS.priority_header
+    trust_priority_header: bool = (
+        _DEFAULTS.trust_priority_header
+    )  # False: only the API-key map or the default decide
+    default_priority: str = _DEFAULTS.default_priority
     api_key_priorities: Mapping[str, str] | None = field(default=None, repr=False)  # secrets
     # Request bodies: their size, their JSON values, the memory those being read and
     # admitted hold at once, and how fast they must arrive (docs/proxy.md, Limits).
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_body_values: int = 32_768
-    max_body_memory: int = 48 * 1024 * 1024
-    client_body_timeout_s: float = 10.0
-    client_body_min_rate: int = 32 * 1024  # bytes per second, after client_body_timeout_s
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 600.0
-    upstream_keepalive_s: float = DEFAULT_KEEPALIVE_S  # under the engine's keep-alive timer
-    min_completion_tokens: int = 16
+    max_body_bytes: int = _DEFAULTS.max_body_bytes
+    max_body_values: int = _DEFAULTS.max_body_values
+    max_body_memory: int = _DEFAULTS.max_body_memory
+    client_body_timeout_s: float = _DEFAULTS.client_body_timeout_s
+    client_body_min_rate: int = (
+        _DEFAULTS.client_body_min_rate
+    )  # bytes per second, after client_body_timeout_s
+    connect_timeout_s: float = _DEFAULTS.connect_timeout_s
+    read_timeout_s: float = _DEFAULTS.read_timeout_s
+    upstream_keepalive_s: float = (
+        _DEFAULTS.upstream_keepalive_s
+    )  # under the engine's keep-alive timer
+    min_completion_tokens: int = _DEFAULTS.min_completion_tokens
     # "projected": admit against the engine's pool (see admit.Admission.make_room)
-    admission: str = "off"
-    admission_ratio: float = 0.95
-    admission_wait_s: float = 5.0
+    admission: str = _DEFAULTS.admission
+    admission_ratio: float = _DEFAULTS.admission_ratio
+    admission_wait_s: float = _DEFAULTS.admission_wait_s
     # While shedding, a request of a shed class is held until the in-flight projections
     # plus its own fit within shed_ratio of the pool, for up to shed_wait_s: only the
     # excess is shed. shed_ratio 0 (or an unknown pool) sheds the whole class at once.
-    shed_ratio: float = 0.8
-    shed_wait_s: float = 2.0
+    shed_ratio: float = _DEFAULTS.shed_ratio
+    shed_wait_s: float = _DEFAULTS.shed_wait_s
     # Path prefixes (whole segments, case-insensitive) forwarded besides the engine's own
     # client routes (routes.py), as they are: never admitted; and prefixes refused
     # whatever allows them (an entry may name one method: "POST /props").
-    allowed_paths: tuple[str, ...] = ()
-    blocked_paths: tuple[str, ...] = ENGINE_ADMIN_PATHS
+    allowed_paths: tuple[str, ...] = _DEFAULTS.allowed_paths
+    blocked_paths: tuple[str, ...] = _DEFAULTS.blocked_paths
 
 
 class ProxyCounters:
