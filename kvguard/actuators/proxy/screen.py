@@ -25,7 +25,6 @@ import concurrent.futures
 import json
 import math
 import re
-from typing import Any
 
 from aiohttp import web
 
@@ -354,16 +353,3 @@ def _malformed_generation(payload: object, body: bytes, *, chat: bool) -> str | 
         allowed = "a list" if chat else "a string or a list"
         return f"{field} must be {allowed}, not {type(value).__name__}"
     return None
-
-
-def _requested_max_tokens(payload: dict[str, Any], *, chat: bool) -> tuple[str, int | None]:
-    """The body field that caps the answer, and its value when it is an integer.
-
-    Chat requests may use ``max_completion_tokens`` (OpenAI's newer name); a clamp
-    must rewrite the field the client used, or the engine would read the other.
-    """
-    key = "max_completion_tokens" if chat and "max_completion_tokens" in payload else "max_tokens"
-    requested = payload.get(key)
-    if isinstance(requested, int) and not isinstance(requested, bool):
-        return key, requested
-    return key, None
