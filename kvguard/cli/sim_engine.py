@@ -18,6 +18,7 @@ from kvguard.sim.runner import (
     size_pool,
     start_sim_server,
 )
+from kvguard.sim.scheduler import SCHEDULING_POLICIES
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
@@ -60,6 +61,13 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     pool.add_argument("--max-model-len", type=int, default=4096)
     pool.add_argument("--max-num-seqs", type=int, default=64)
     pool.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    pool.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="as vLLM's: fcfs (arrival order, default) or priority (the request's"
+        " 'priority' field, lower first; the lowest is preempted first)",
+    )
     timing = p.add_argument_group("time model: step = fixed + per-token x tokens")
     timing.add_argument(
         "--step-time",
@@ -123,6 +131,7 @@ def run_sim_engine(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         oom_on_exhaust=args.oom_on_exhaust,
         activation_limit_tokens=args.activation_limit_tokens,
+        scheduling_policy=args.scheduling_policy,
     )
     pool = size_pool(spec)
     time_model = TimeModel(step_fixed_s=args.step_time, per_token_s=args.token_time)
@@ -146,7 +155,8 @@ def run_sim_engine(args: argparse.Namespace) -> int:
             f"sim-engine: {args.flavor} flavor of {args.served_model_name!r} on {server.url};"
             f" KV pool {config.num_gpu_blocks:,} blocks x {config.block_size} ="
             f" {config.capacity_tokens:,} usable tokens ({pool.origin}), max_model_len"
-            f" {config.max_model_len:,}, max_num_seqs {config.max_num_seqs}"
+            f" {config.max_model_len:,}, max_num_seqs {config.max_num_seqs},"
+            f" scheduling policy {config.scheduling_policy}"
         )
         return await serve_forever(server, exit_on_crash=args.on_crash == "exit", announce=announce)
 

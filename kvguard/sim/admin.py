@@ -55,6 +55,7 @@ async def server_info(request: web.Request) -> web.Response:
             "max_model_len": config.max_model_len,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
+            "scheduling_policy": config.scheduling_policy,
             "kv_cache_dtype": settings.cache.cache_dtype,
         }
     )

@@ -57,7 +57,7 @@ class RequestHandle:
 
     @property
     def finish_reason(self) -> str | None:
-        """``length`` or ``abort`` once finished."""
+        """``length``, ``stop`` or ``abort`` once finished."""
         return self.seq.finish_reason
 
 
@@ -111,19 +111,30 @@ class SimEngine:
 
     # ------------------------------------------------------------------ requests
     def submit(
-        self, prompt_tokens: int, max_tokens: int, request_id: str | None = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        request_id: str | None = None,
+        *,
+        output_tokens: int | None = None,
+        priority: int = 0,
     ) -> RequestHandle:
-        """Queue a request; raises :class:`EngineUnavailableError` when dead or paused."""
+        """Queue a request; raises :class:`EngineUnavailableError` when dead or paused.
+
+        ``output_tokens`` is the request's true length (it stops there if that is
+        before ``max_tokens``); ``priority`` orders it under the ``priority`` policy.
+        """
         if self.dead_reason is not None:
             raise EngineUnavailableError(f"engine is dead: {self.dead_reason}")
         if self.pause_mode in ("abort", "wait"):
             raise EngineUnavailableError("engine is paused")
         number = next(self._ids)
         rid = request_id or f"req-{number}"
-        seq = Sequence(rid, prompt_tokens, max_tokens)
+        seq = Sequence(rid, prompt_tokens, max_tokens, stop_after=output_tokens, priority=priority)
         handle = RequestHandle(seq, FillerText(self._seed * 1_000_003 + number), self._clock())
         self._handles[rid] = handle
         self.scheduler.add(seq)
+        # The client's max_tokens, not the true length: it is what an engine is asked.
         self.stats.request_arrived(max_tokens)
         self._wakeup.set()
         return handle

@@ -1,7 +1,10 @@
 """The simulated engine's OpenAI-compatible API: completions, chat, models, tokenize.
 
-Prompt tokens are counted by :mod:`kvguard.sim.tokenizer`; generation is exactly
-``max_tokens`` tokens (``finish_reason`` "length") unless aborted.
+Prompt tokens are counted by :mod:`kvguard.sim.tokenizer`; generation is
+``max_tokens`` tokens (``finish_reason`` "length") unless the sim-only body field
+``kvguard_sim_output_tokens`` gives a shorter true length (``finish_reason`` "stop")
+or the request is aborted. ``priority`` is vLLM's request field: non-zero only under
+the ``priority`` scheduling policy.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from kvguard.sim.http_common import (
 from kvguard.sim.tokenizer import count_chat_tokens, count_tokens, tokenize
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+# The load generator's way to give a request its true output length; real engines
+# ignore unknown body fields, so the same traffic runs against them unchanged.
+SIM_OUTPUT_TOKENS_FIELD = "kvguard_sim_output_tokens"
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -68,6 +74,19 @@ async def generate(
         return error(400, f"max_tokens must be an integer >= 1, got {requested!r}")
     if body.get("n", 1) != 1:
         return error(400, "the simulated engine supports n=1 only")
+    output_tokens = body.get(SIM_OUTPUT_TOKENS_FIELD)
+    if output_tokens is not None and (
+        isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 1
+    ):
+        return error(
+            400, f"{SIM_OUTPUT_TOKENS_FIELD} must be an integer >= 1, got {output_tokens!r}"
+        )
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        return error(400, f"priority must be an integer, got {priority!r}")
+    if priority != 0 and engine.config.scheduling_policy != "priority":
+        # vLLM's own refusal, word for word.
+        return error(400, f"Got priority {priority} but Priority scheduling is not enabled.")
     if prompt_tokens + requested > limit:
         return error(
             400,
@@ -78,7 +97,9 @@ async def generate(
         )
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     try:
-        handle = engine.submit(prompt_tokens, requested, request_id=rid)
+        handle = engine.submit(
+            prompt_tokens, requested, request_id=rid, output_tokens=output_tokens, priority=priority
+        )
     except EngineUnavailableError as exc:
         return error(503, str(exc), "ServiceUnavailableError")
     try:

@@ -21,7 +21,7 @@ from kvguard.errors import InvalidInputError, KvguardError
 from kvguard.sim.engine import SimEngine, TimeModel
 from kvguard.sim.http_common import SimServerSettings
 from kvguard.sim.metrics import CacheInfo, Flavor
-from kvguard.sim.scheduler import SchedulerConfig
+from kvguard.sim.scheduler import SCHEDULING_POLICIES, SchedulerConfig, SchedulingPolicy
 from kvguard.sim.server import build_app
 
 DEFAULT_KV_CAPACITY_TOKENS = 16_384
@@ -43,6 +43,7 @@ class PoolSpec:
     max_num_batched_tokens: int = 2048
     oom_on_exhaust: bool = False
     activation_limit_tokens: int | None = None
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,12 @@ def size_pool(spec: PoolSpec) -> SizedPool:
         value = getattr(spec, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidInputError(name, value, "must be an integer >= 1")
+    if spec.scheduling_policy not in SCHEDULING_POLICIES:
+        raise InvalidInputError(
+            "scheduling_policy",
+            spec.scheduling_policy,
+            f"must be one of {', '.join(SCHEDULING_POLICIES)}",
+        )
     if spec.model is not None and spec.kv_capacity_tokens is None and spec.gpu_memory_bytes is None:
         raise InvalidInputError(
             "model",
@@ -102,6 +109,7 @@ def size_pool(spec: PoolSpec) -> SizedPool:
         max_model_len=spec.max_model_len,
         oom_on_exhaust=spec.oom_on_exhaust,
         activation_limit_tokens=spec.activation_limit_tokens,
+        scheduling_policy=spec.scheduling_policy,
     )
     if config.capacity_tokens < spec.max_model_len:
         # vLLM refuses to start when one max_model_len sequence does not fit.

@@ -10,6 +10,11 @@ tokens (prompt + generated so far) and ``computed`` tokens with KV in the cache;
 step computes up to ``target - computed`` of them (a decode is the case of one),
 and a sequence that reaches its target emits its next token. A preempted
 sequence loses its blocks and recomputes everything when readmitted.
+
+Two scheduling policies, as vLLM's ``--scheduling-policy``: ``fcfs`` serves in
+arrival order and preempts the most recently admitted; ``priority`` serves by
+(priority, arrival) and preempts the running sequence with the largest
+(priority, arrival): the lowest priority, latest arrival.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 SequenceState = Literal["waiting", "running", "finished"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -27,10 +34,21 @@ class SchedulerConfig:
     """Pool and batch limits, named as vLLM's flags.
 
     ``num_gpu_blocks`` counts one reserved null block, as vLLM does, so
-    ``num_gpu_blocks - 1`` blocks hold KV. ``oom_on_exhaust`` models engines that
-    allocate per sequence without a pool check: exceeding the pool crashes instead
-    of preempting. ``activation_limit_tokens`` crashes a step whose prefill tokens
-    exceed it, like a large prefill burst outside the KV pool.
+    ``num_gpu_blocks - 1`` blocks hold KV.
+
+    ``oom_on_exhaust`` models engines that allocate KV dynamically per sequence and
+    die when an allocation does not fit: a waiting sequence is admitted only if its
+    first prompt chunk fits in the free blocks now (a free-memory check at
+    admission, with nothing reserved for growth), otherwise it keeps waiting; a
+    running sequence whose growth (its next prefill chunk or its next decoded
+    token) needs blocks that are not free crashes the engine, and nothing is ever
+    preempted.
+
+    ``activation_limit_tokens`` crashes a step whose prefill tokens exceed it, like a
+    large prefill burst outside the KV pool.
+
+    ``scheduling_policy`` is vLLM's ``--scheduling-policy``: ``fcfs`` (arrival
+    order) or ``priority`` (each sequence's ``priority``, lower first, then arrival).
     """
 
     num_gpu_blocks: int
@@ -40,6 +58,14 @@ class SchedulerConfig:
     max_model_len: int = 4096
     oom_on_exhaust: bool = False
     activation_limit_tokens: int | None = None
+    scheduling_policy: SchedulingPolicy = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)},"
+                f" got {self.scheduling_policy!r}"
+            )
 
     @property
     def usable_blocks(self) -> int:
@@ -54,11 +80,21 @@ class SchedulerConfig:
 
 @dataclass(eq=False)
 class Sequence:
-    """One request inside the engine."""
+    """One request inside the engine.
+
+    ``max_tokens`` is what the client asked for; ``stop_after``, when set, is the
+    request's true output length: it ends there (``finish_reason`` "stop") if that
+    comes before ``max_tokens`` (which ends it with "length"). ``priority`` orders it
+    under the ``priority`` policy (lower first); ``arrival`` is its place in arrival
+    order, set by :meth:`Scheduler.add`.
+    """
 
     request_id: str
     prompt_tokens: int
     max_tokens: int
+    stop_after: int | None = None
+    priority: int = 0
+    arrival: int = -1
     generated: int = 0
     computed: int = 0
     blocks: int = 0
@@ -75,6 +111,19 @@ class Sequence:
     def in_prefill(self) -> bool:
         """Whether the next step for this sequence processes more than one token."""
         return self.target - self.computed > 1
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Its order under the ``priority`` policy: smaller is served first, preempted last."""
+        return (self.priority, self.arrival)
+
+    def due_finish_reason(self) -> str | None:
+        """``length`` at ``max_tokens``, ``stop`` at a shorter true length, else None."""
+        if self.generated >= self.max_tokens:
+            return "length"
+        if self.stop_after is not None and self.generated >= self.stop_after:
+            return "stop"
+        return None
 
 
 @dataclass(frozen=True)
@@ -110,10 +159,16 @@ class Scheduler:
     running: list[Sequence] = field(default_factory=list)
     free_blocks: int = -1
     preemptions_total: int = 0
+    arrivals: int = 0
 
     def __post_init__(self) -> None:
         if self.free_blocks < 0:
             self.free_blocks = self.config.usable_blocks
+
+    @property
+    def by_priority(self) -> bool:
+        """Whether the ``priority`` policy orders the queue and picks the victims."""
+        return self.config.scheduling_policy == "priority"
 
     @property
     def used_blocks(self) -> int:
@@ -132,9 +187,14 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request."""
+        """Queue a new request (last in arrival order, or in its priority's place)."""
         seq.state = "waiting"
-        self.waiting.append(seq)
+        seq.arrival = self.arrivals
+        self.arrivals += 1
+        if self.by_priority:
+            self._insert_by_rank(seq)
+        else:
+            self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is and free its blocks (a client went away)."""
@@ -149,7 +209,6 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
-        prefill = 0
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -157,14 +216,20 @@ class Scheduler:
             need = self._blocks_for(seq.computed + tokens) - seq.blocks
             while need > self.free_blocks and seq.state == "running":
                 if self.config.oom_on_exhaust:
+                    # A dynamic allocator has no victim to take blocks from: the
+                    # growth of a running sequence that does not fit kills it.
                     return StepPlan(crash=self._oom_message(need))
-                victim = self.running[-1]  # the most recently admitted goes first
+                victim, position = self._victim()
+                if position < index:
+                    # Under priority the victim may already be in this step (as in
+                    # vLLM): its tokens go back to the budget, the loop shifts left.
+                    budget += self._unschedule(scheduled, victim)
+                    index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
             if seq.state != "running":
-                break  # it preempted itself: nothing after it is running either
+                break  # it preempted itself: it ranked last among the running
             self._allocate(seq, need)
-            prefill += tokens if seq.in_prefill else 0
             scheduled.append((seq, tokens))
             budget -= tokens
             index += 1
@@ -176,16 +241,18 @@ class Scheduler:
             tokens = min(seq.target - seq.computed, budget)
             need = self._blocks_for(tokens)
             if need > self.free_blocks:
-                if self.config.oom_on_exhaust:
-                    return StepPlan(crash=self._oom_message(need))
+                # Both modes keep it waiting: the pool waits for blocks, and a
+                # dynamic allocator checks free memory before starting a request.
                 break
             self.waiting.popleft()
             seq.state = "running"
             self.running.append(seq)
             self._allocate(seq, need)
-            prefill += tokens if seq.in_prefill else 0
             scheduled.append((seq, tokens))
             budget -= tokens
+        # Prefill tokens are counted once the batch is final, since a priority
+        # victim can leave it after being scheduled.
+        prefill = sum(n for s, n in scheduled if s.in_prefill)
         limit = self.config.activation_limit_tokens
         if limit is not None and prefill > limit:
             return StepPlan(
@@ -204,11 +271,11 @@ class Scheduler:
             if seq.computed < seq.target:
                 continue  # a chunk of a longer prefill
             seq.generated += 1
-            finished = seq.generated >= seq.max_tokens
-            if finished:
+            reason = seq.due_finish_reason()
+            if reason is not None:
                 self.running.remove(seq)
-                self._finish(seq, "length")
-            events.append(TokenEvent(seq, seq.generated == 1, finished))
+                self._finish(seq, reason)
+            events.append(TokenEvent(seq, seq.generated == 1, reason is not None))
         return events
 
     def preempt_all(self) -> int:
@@ -217,6 +284,32 @@ class Scheduler:
         while self.running:
             self._preempt(self.running[-1])
         return count
+
+    def _victim(self) -> tuple[Sequence, int]:
+        """The running sequence to preempt, and its place in the running list."""
+        if self.by_priority:
+            # vLLM: max(running, key=(priority, arrival_time)).
+            victim = max(self.running, key=lambda s: s.rank)
+            return victim, self.running.index(victim)
+        return self.running[-1], len(self.running) - 1  # the most recently admitted
+
+    @staticmethod
+    def _unschedule(scheduled: list[tuple[Sequence, int]], seq: Sequence) -> int:
+        """Take ``seq`` out of a step being planned; returns the tokens it had."""
+        for i, (planned, tokens) in enumerate(scheduled):
+            if planned is seq:
+                del scheduled[i]
+                return tokens
+        return 0
+
+    def _insert_by_rank(self, seq: Sequence) -> None:
+        """Put ``seq`` in the queue after every sequence that ranks before it."""
+        position = len(self.waiting)
+        for i, queued in enumerate(self.waiting):
+            if seq.rank < queued.rank:
+                position = i
+                break
+        self.waiting.insert(position, seq)
 
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.config.block_size)
@@ -233,7 +326,10 @@ class Scheduler:
         seq.computed = 0
         seq.preemptions += 1
         seq.state = "waiting"
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._insert_by_rank(seq)  # back in its priority's place
+        else:
+            self.waiting.appendleft(seq)  # first to be readmitted, as in vLLM
         self.preemptions_total += 1
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -105,7 +105,7 @@ class SimStats:
     inter_token: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
 
     def request_arrived(self, max_tokens: int) -> None:
-        """A request was accepted."""
+        """A request was accepted; ``max_tokens`` is the client's, whatever its true length."""
         self.requests_total += 1
         self.max_tokens_param.observe(max_tokens)
 
@@ -130,7 +130,7 @@ class SimStats:
             self.inter_token.observe(now - handle.last_token_at)
 
     def request_finished(self, handle: RequestHandle) -> None:
-        """A request ended (``length`` or ``abort``)."""
+        """A request ended (``stop``, ``length`` or ``abort``)."""
         reason = handle.seq.finish_reason or "abort"
         self.finished[reason] += 1
         self.prompt_tokens.observe(handle.seq.prompt_tokens)

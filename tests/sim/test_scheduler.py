@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,6 +84,39 @@ def test_oom_mode_crashes_instead_of_preempting():
     assert plan.crash.startswith("simulated CUDA out of memory")
 
 
+def test_oom_mode_keeps_a_waiting_request_that_does_not_fit_waiting():
+    """oom_on_exhaust: admission checks free blocks, so a prompt that does not fit waits."""
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=5, oom_on_exhaust=True))  # 4 usable
+    first = Sequence("first", prompt_tokens=48, max_tokens=2)  # 3 blocks, a 4th to grow
+    second = Sequence("second", prompt_tokens=32, max_tokens=2)  # 2 blocks: 1 is free
+    sched.add(first)
+    sched.add(second)
+    plan = sched.schedule()
+    assert plan.crash is None
+    assert [seq for seq, _ in plan.scheduled] == [first]
+    assert list(sched.waiting) == [second]
+    sched.complete(plan)
+    run_to_completion(sched)  # asserts no step crashes
+    assert first.finish_reason == second.finish_reason == "length"
+    assert sched.preemptions_total == 0
+
+
+def test_oom_mode_crashes_when_a_prefill_chunk_does_not_fit():
+    """oom_on_exhaust: a running sequence's next prefill chunk that does not fit crashes."""
+    config = SchedulerConfig(num_gpu_blocks=6, max_num_batched_tokens=48, oom_on_exhaust=True)
+    sched = Scheduler(config)  # 5 usable blocks
+    sched.add(Sequence("a", prompt_tokens=40, max_tokens=50))
+    sched.add(Sequence("b", prompt_tokens=40, max_tokens=50))
+    plan = sched.schedule()  # a: 40 tokens (3 blocks); b: its first 8 (1 block), 1 free
+    assert plan.crash is None
+    assert [n for _, n in plan.scheduled] == [40, 8]
+    sched.complete(plan)
+    plan = sched.schedule()  # b's next 32 tokens need 2 more blocks
+    assert plan.crash == (
+        "simulated CUDA out of memory: tried to allocate 2 KV blocks (32 tokens) with 1 of 5 free"
+    )
+
+
 def test_activation_limit_crashes_a_large_prefill_step():
     """A step whose prefill tokens exceed the activation limit crashes."""
     sched = Scheduler(SchedulerConfig(num_gpu_blocks=1_000, activation_limit_tokens=500))
@@ -120,6 +154,98 @@ def test_abort_frees_blocks_at_once():
     assert not sched.has_work
 
 
+def test_true_length_ends_with_stop_before_max_tokens():
+    """stop_after below max_tokens ends the sequence there with "stop" and frees its blocks."""
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=100))
+    short = Sequence("short", prompt_tokens=10, max_tokens=500, stop_after=3)
+    exact = Sequence("exact", prompt_tokens=10, max_tokens=4, stop_after=4)
+    longer = Sequence("longer", prompt_tokens=10, max_tokens=5, stop_after=50)
+    for seq in (short, exact, longer):
+        sched.add(seq)
+    run_to_completion(sched)
+    assert (short.generated, short.finish_reason) == (3, "stop")
+    assert (exact.generated, exact.finish_reason) == (4, "length")
+    assert (longer.generated, longer.finish_reason) == (5, "length")
+    assert sched.used_blocks == 0
+
+
+def test_priority_policy_orders_the_waiting_queue():
+    """Under "priority" a later, higher-priority request is admitted before earlier ones."""
+    order = {}
+    for policy in ("fcfs", "priority"):
+        config = SchedulerConfig(num_gpu_blocks=100, max_num_seqs=1, scheduling_policy=policy)
+        sched = Scheduler(config)
+        sched.add(Sequence("blocker", prompt_tokens=10, max_tokens=2))
+        sched.complete(sched.schedule())  # the blocker holds the only seat
+        for name, priority in (("low-1", 5), ("low-2", 5), ("high", -1)):
+            sched.add(Sequence(name, prompt_tokens=10, max_tokens=2, priority=priority))
+        admitted: list[str] = []
+        while sched.has_work:
+            plan = sched.schedule()
+            admitted += [s.request_id for s, _ in plan.scheduled if s.request_id not in admitted]
+            sched.complete(plan)
+        order[policy] = admitted
+    assert order["fcfs"] == ["blocker", "low-1", "low-2", "high"]
+    assert order["priority"] == ["blocker", "high", "low-1", "low-2"]
+
+
+def _two_running(policy: str, first_priority: int) -> tuple[Scheduler, Sequence, Sequence]:
+    """A full 4-block pool: ``first`` (admitted a step earlier) then ``second``.
+
+    The next step's decode leaves ``first`` in its 2 blocks but takes ``second``
+    past its 2nd block, so someone must be preempted.
+    """
+    sched = Scheduler(SchedulerConfig(num_gpu_blocks=5, scheduling_policy=policy))
+    first = Sequence("first", prompt_tokens=20, max_tokens=30, priority=first_priority)
+    second = Sequence("second", prompt_tokens=32, max_tokens=30)
+    sched.add(first)
+    sched.complete(sched.schedule())
+    sched.add(second)
+    sched.complete(sched.schedule())
+    assert sched.running == [first, second]
+    assert sched.free_blocks == 0
+    return sched, first, second
+
+
+def test_fcfs_preempts_the_most_recently_admitted():
+    """fcfs: the newest sequence is the victim, even when it is the one growing."""
+    sched, first, second = _two_running("fcfs", first_priority=0)
+    plan = sched.schedule()
+    assert plan.preempted == (second,)
+    assert plan.scheduled == ((first, 1),)
+
+
+def test_priority_preempts_the_lowest_priority_even_if_already_scheduled():
+    """priority: the victim is the largest (priority, arrival), taken back out of the step."""
+    sched, first, second = _two_running("priority", first_priority=5)
+    sched.add(Sequence("mid", prompt_tokens=10, max_tokens=2, priority=1))
+    sched.add(Sequence("worst", prompt_tokens=10, max_tokens=2, priority=9))
+    plan = sched.schedule()
+    assert plan.preempted == (first,)
+    assert [(s.request_id, n) for s, n in plan.scheduled] == [("second", 1)]
+    assert (first.state, first.blocks, first.computed) == ("waiting", 0, 0)
+    assert sched.used_blocks == 3  # second's 3 blocks; first's 2 were given back
+    # Back in the queue in its priority's place, not at the front.
+    assert [s.request_id for s in sched.waiting] == ["mid", "first", "worst"]
+    sched.complete(plan)
+    run_to_completion(sched)
+    assert all(s.finish_reason == "length" for s in (first, second))
+
+
+def test_priority_ties_preempt_the_latest_arrival():
+    """priority: among equal priorities the latest arrival is the victim, as in fcfs."""
+    sched, first, second = _two_running("priority", first_priority=0)
+    plan = sched.schedule()
+    assert plan.preempted == (second,)
+    assert plan.scheduled == ((first, 1),)
+
+
+def test_an_unknown_scheduling_policy_is_refused():
+    """A policy other than fcfs and priority is an error naming the field."""
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        SchedulerConfig(num_gpu_blocks=10, scheduling_policy="lifo")  # type: ignore[arg-type]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200)), min_size=1, max_size=12),
@@ -135,4 +261,36 @@ def test_every_request_completes_and_blocks_balance(requests, blocks):
         sched.add(seq)
     run_to_completion(sched)
     assert all(s.generated == s.max_tokens for s in seqs)
+    assert sched.free_blocks == sched.config.usable_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 300), st.integers(1, 200), st.integers(1, 250), st.integers(-2, 2)
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(20, 60),
+    st.sampled_from(["fcfs", "priority"]),
+)
+def test_true_lengths_and_priorities_never_lose_a_request(requests, blocks, policy):
+    """Both policies, with true lengths: every request ends at min(length, max_tokens)."""
+    config = SchedulerConfig(
+        num_gpu_blocks=blocks, max_model_len=(blocks - 1) * 16, scheduling_policy=policy
+    )
+    sched = Scheduler(config)
+    seqs = [
+        Sequence(str(i), p, m, stop_after=n, priority=prio)
+        for i, (p, m, n, prio) in enumerate(requests)
+        if p + m <= (blocks - 1) * 16
+    ]
+    for seq in seqs:
+        sched.add(seq)
+    run_to_completion(sched)
+    for seq in seqs:
+        assert seq.generated == min(seq.stop_after, seq.max_tokens)
+        assert seq.finish_reason == ("stop" if seq.stop_after < seq.max_tokens else "length")
     assert sched.free_blocks == sched.config.usable_blocks

@@ -389,3 +389,146 @@ async def test_sglang_flush_cache_refused_while_requests_run(sim_engine):
 
 async def _running(url: str) -> bool:
     return value(await scrape(url), "vllm:num_requests_running") > 0
+
+
+async def test_true_output_length_ends_with_stop(sim_engine):
+    """kvguard_sim_output_tokens below max_tokens ends the request there with "stop"."""
+    url = await sim_engine(kv_capacity_tokens=8192)
+    async with aiohttp.ClientSession() as http:
+        status, body = await complete(http, url, 20, 500, kvguard_sim_output_tokens=7)
+        assert status == 200
+        assert body["choices"][0]["finish_reason"] == "stop"
+        assert len(body["choices"][0]["text"].split()) == 7
+        assert body["usage"] == {"prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27}
+        # At or past max_tokens the request ends at max_tokens, as without the field.
+        status, body = await complete(http, url, 20, 5, kvguard_sim_output_tokens=9)
+        assert (body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]) == (
+            "length",
+            5,
+        )
+        chat = {
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 300,
+            "kvguard_sim_output_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with http.post(f"{url}/v1/chat/completions", json=chat) as resp:
+            lines = [line.decode().strip() async for line in resp.content if line.strip()]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    tokens = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len(tokens) == 3
+    assert tokens[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    samples = await scrape(url)
+    assert value(samples, "vllm:request_success_total", finished_reason="stop") == 2
+    assert value(samples, "vllm:request_success_total", finished_reason="length") == 1
+    assert value(samples, "vllm:generation_tokens_total") == 7 + 5 + 3
+    # The engine was asked for the clients' max_tokens, whatever the true lengths.
+    assert value(samples, "vllm:request_params_max_tokens_sum") == 500 + 5 + 300
+
+
+@pytest.mark.parametrize("bad", [0, -3, "7", 2.5, True, [7]])
+async def test_bad_sim_output_tokens_is_400(sim_engine, bad):
+    """kvguard_sim_output_tokens must be an integer >= 1: anything else is a 400 naming it."""
+    url = await sim_engine()
+    async with aiohttp.ClientSession() as http:
+        status, body = await complete(http, url, 5, 10, kvguard_sim_output_tokens=bad)
+    assert status == 400
+    assert body["message"] == f"kvguard_sim_output_tokens must be an integer >= 1, got {bad!r}"
+
+
+async def test_priority_needs_the_priority_policy(sim_engine):
+    """Under fcfs a non-zero priority is vLLM's 400; zero is accepted; a non-integer is a 400."""
+    url = await sim_engine()
+    async with aiohttp.ClientSession() as http:
+        status, body = await complete(http, url, 5, 2, priority=3)
+        assert status == 400
+        assert body["message"] == "Got priority 3 but Priority scheduling is not enabled."
+        status, _ = await complete(http, url, 5, 2, priority=0)
+        assert status == 200
+    url = await sim_engine(scheduling_policy="priority")
+    async with aiohttp.ClientSession() as http:
+        status, _ = await complete(http, url, 5, 2, priority=-4)
+        assert status == 200
+        status, body = await complete(http, url, 5, 2, priority="high")
+        assert status == 400
+        assert body["message"] == "priority must be an integer, got 'high'"
+        async with http.get(f"{url}/server_info") as resp:
+            assert (await resp.json())["scheduling_policy"] == "priority"
+
+
+async def test_priority_request_queued_behind_others_is_served_first(sim_server):
+    """One seat: a high-priority request queued after low-priority ones runs next."""
+    server = await sim_server(kv_capacity_tokens=8192, max_num_seqs=1, scheduling_policy="priority")
+    url, finished = server.url, []
+    async with aiohttp.ClientSession() as http:
+
+        async def send(name: str, max_tokens: int, priority: int) -> None:
+            status, _ = await complete(http, url, 10, max_tokens, priority=priority)
+            assert status == 200
+            finished.append(name)
+
+        tasks = [asyncio.ensure_future(send("blocker", 20, 0))]
+        await until(lambda: _running(url))
+        # Freeze the engine so the queue fills in a known order, whatever the timing.
+        async with http.post(f"{url}/pause", params={"mode": "keep"}):
+            pass
+        tasks += [asyncio.ensure_future(send(f"low-{i}", 3, 10)) for i in range(3)]
+        await until(lambda: len(server.engine.scheduler.waiting) == 3)
+        tasks.append(asyncio.ensure_future(send("high", 3, -1)))
+        await until(lambda: len(server.engine.scheduler.waiting) == 4)
+        async with http.post(f"{url}/resume"):
+            pass
+        await asyncio.gather(*tasks)
+    assert finished == ["blocker", "high", "low-0", "low-1", "low-2"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "first_priority", "done_first"),
+    [
+        ("fcfs", 0, "first"),
+        ("priority", 5, "second"),
+    ],
+)
+async def test_exhaustion_preempts_by_policy(sim_server, policy, first_priority, done_first):
+    """Two sequences that outgrow the pool: fcfs preempts the newer, priority the lower."""
+    server = await sim_server(kv_capacity_tokens=1024, max_model_len=1000, scheduling_policy=policy)
+    url, finished = server.url, []
+    async with aiohttp.ClientSession() as http:
+
+        async def send(name: str, priority: int) -> None:
+            status, body = await complete(http, url, 300, 300, priority=priority)
+            assert (status, body["usage"]["completion_tokens"]) == (200, 300)
+            finished.append(name)
+
+        first = asyncio.ensure_future(send("first", first_priority))
+        await until(lambda: _running(url))
+        second = asyncio.ensure_future(send("second", 0))
+        await asyncio.gather(first, second)
+    assert finished[0] == done_first
+    assert value(await scrape(url), "vllm:num_preemptions_total") > 0
+
+
+async def test_oom_mode_admission_waits_for_room(sim_server):
+    """--oom-on-exhaust: prompts that do not fit wait at admission; no crash if growth fits."""
+    server = await sim_server(kv_capacity_tokens=2048, max_model_len=1024, oom_on_exhaust=True)
+    url = server.url
+    async with aiohttp.ClientSession() as http:
+        # All six queue before the first step: 500-token prompts into 127 blocks, so
+        # three are admitted (32 blocks each) and the fourth's 32 blocks do not fit.
+        async with http.post(f"{url}/pause", params={"mode": "keep"}):
+            pass
+        burst = asyncio.gather(
+            *(complete(http, url, 500, 400, kvguard_sim_output_tokens=10) for _ in range(6))
+        )
+        await until(lambda: len(server.engine.scheduler.waiting) == 6)
+        async with http.post(f"{url}/resume"):
+            pass
+        # Each stops after 10 tokens, so the growth of the running three always fits.
+        results = await burst
+    assert [status for status, _ in results] == [200] * 6
+    assert {body["choices"][0]["finish_reason"] for _, body in results} == {"stop"}
+    assert server.engine.alive
+    assert not server.crashed.is_set()
+    assert value(await scrape(url), "vllm:num_preemptions_total") == 0
