@@ -102,6 +102,7 @@ def load_summary(report: LoadReport) -> dict[str, Any]:
         "sent": report.sent,
         "succeeded": report.succeeded,
         "shed": report.shed,
+        "refused": report.refused,
         "failed": report.failed,
         "unfinished": report.unfinished,
         "goodput": report.goodput,

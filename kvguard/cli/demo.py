@@ -379,10 +379,16 @@ async def _refresh(
             kv_usage=scheduler.usage,
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
-            completed=server.engine.stats.finished["length"],
+            completed=_completed(server),
         )
         view.status(now, guard.status(sample) if guard is not None else sample)
         await asyncio.sleep(REFRESH_S)
+
+
+def _completed(server: SimServer) -> int:
+    """Requests the engine finished: at their true length or at ``max_tokens``."""
+    finished = server.engine.stats.finished
+    return finished["length"] + finished["stop"]
 
 
 def _record(
@@ -399,14 +405,15 @@ def _record(
         outcome.peak_level = guard.peak_level
         outcome.actions = dict(sorted(guard.actions.items()))
     if report is None:  # cut off after a crash: what the engine itself finished
-        outcome.completed = server.engine.stats.finished["length"]
+        outcome.completed = _completed(server)
         return
     outcome.sent = report.sent
     outcome.completed = report.succeeded
     outcome.unfinished = report.unfinished
-    # loadgen counts every 429/503 as shed; those kvguard did not send came from a dead
-    # engine. kvguard's 400s (window cap) are rejections, not failures.
-    outcome.failed = max(0, report.failed + report.shed - outcome.shed - outcome.rejected)
+    # loadgen counts every 429/503 as shed and every other 4xx as refused; those kvguard
+    # did not send came from a dead engine. kvguard's 400s (window cap) are rejections.
+    lost = report.failed + report.shed + report.refused
+    outcome.failed = max(0, lost - outcome.shed - outcome.rejected)
     if report.e2e_s is not None:
         outcome.p50_latency_s = report.e2e_s.p50
         outcome.p99_latency_s = report.e2e_s.p99

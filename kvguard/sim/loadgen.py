@@ -1,19 +1,23 @@
-"""The load generator: drives an OpenAI-compatible endpoint with a traffic pattern.
+"""The load generator: drives an OpenAI-compatible endpoint with a pattern or a trace.
 
-:func:`run_load` turns the specs of a :mod:`kvguard.sim.traffic` pattern into HTTP
-requests (``/v1/completions`` or ``/v1/chat/completions``, streamed by default),
-measures time to first token and end-to-end latency, and reads the engine's
-preemption counter from ``/metrics`` before and after. It is bounded: it stops
-sending at ``duration_s`` or ``max_requests``, whichever comes first, gives
-in-flight requests a grace period, then cancels them. It only talks to the URL
-it is given and never follows redirects.
+:func:`run_load` turns request specs (a :mod:`kvguard.sim.traffic` pattern, or a
+recorded trace replayed by :mod:`kvguard.sim.trace`) into HTTP requests
+(``/v1/completions`` or ``/v1/chat/completions``, streamed by default), open-loop:
+each goes out at its offset, and its latencies count from that scheduled time, so
+waiting for a client slot or a retry counts. It reads the engine's preemption
+counter from ``/metrics`` before and after. It is bounded: it stops sending at
+``duration_s`` or ``max_requests``, whichever comes first, gives in-flight requests a
+grace period, then cancels them. It only talks to the URL it is given and never
+follows redirects. How one request is sent (``max_tokens``, the true length,
+retries) is :mod:`kvguard.sim.loadgen_client`.
 
 A prompt of N tokens is N plain lowercase words: the simulator's tokenizer counts
 each as one token, and real tokenizers count them as roughly one each.
 
-One module of ~600 lines on purpose: sending, timing and bounding requests are one
-loop whose limits (duration, count, grace, cancellation) must be read together; the
-report and the command live apart (``loadgen_report``, ``kvguard.cli.loadgen``).
+Sending, timing and bounding requests are one loop whose limits (duration, count,
+grace, cancellation) must be read together, so they stay in this module; the single
+request, the report and the command live apart (``loadgen_client``,
+``loadgen_report``, ``kvguard.cli.loadgen``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import sys
 from collections import Counter
 from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,13 +38,24 @@ import aiohttp
 
 from kvguard.errors import InvalidInputError
 from kvguard.http_client import DEFAULT_KEEPALIVE_S
+from kvguard.sim.loadgen_client import (
+    ENDPOINTS,
+    OUTPUT_LENGTHS,
+    Attempts,
+    Client,
+    ClientSettings,
+    resolve_output_length,
+)
 from kvguard.sim.loadgen_report import (
     ClassCounts,
     LoadReport,
     Percentiles,
+    RequestOutcome,
+    Slo,
     engine_reading,
     preemptions_in,
 )
+from kvguard.sim.trace import TRACE_HEADERS, Trace, load_trace, replay
 from kvguard.sim.traffic import (
     DEFAULT_MAX_CONTEXT,
     PATTERNS,
@@ -51,11 +67,7 @@ from kvguard.sim.traffic import (
     new_message_tokens,
 )
 
-ENDPOINTS: Mapping[str, str] = {
-    "completions": "/v1/completions",
-    "chat": "/v1/chat/completions",
-}
-SHED_STATUSES = frozenset({429, 503})
+DEFAULT_CLIENT_MAX_TOKENS = 2048
 _SCRAPE_TIMEOUT_S = 5.0
 _PROGRESS_INTERVAL_S = 0.5
 _SAMPLE_INTERVAL_S = 0.5
@@ -79,12 +91,21 @@ _WORDS = tuple(_WORD_LIST.split())
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """What to drive, with which pattern, and the bounds of the run.
+    """What to drive, with which traffic, how the client behaves, and the bounds of the run.
 
     ``url`` is the server's base URL (``http://host:port``). ``endpoint`` is
     ``completions`` or ``chat``. ``model`` None asks ``GET /v1/models`` and takes
-    the first id. ``slo_ttft_s`` and ``slo_e2e_s`` define goodput. Values are
-    checked here; a bad one raises :class:`InvalidInputError` naming the field.
+    the first id. ``trace`` (a file) replaces ``pattern``: it is replayed from
+    ``start_s`` recorded seconds on, ``speed`` times faster (``trace_format`` None:
+    told by the header). ``client_max_tokens`` is the ``max_tokens`` every request
+    asks for (None: the request's true length); ``output_length`` is how the engine
+    learns the true length (``auto``, ``sim-field`` or ``ignore-eos``). A 429/503
+    with ``Retry-After`` is retried up to ``retries`` times, each wait capped at
+    ``retry_cap_s``. ``engine_priority`` also sends each request's class as vLLM's
+    ``priority`` body field (critical 0, standard 1, sheddable 2), for an engine
+    scheduling by priority. ``slo_ttft_s``, ``slo_tpot_s`` and the optional
+    ``slo_e2e_s`` define a good request. Values are checked here; a bad one raises
+    :class:`InvalidInputError` naming the field.
     """
 
     url: str
@@ -99,11 +120,21 @@ class LoadConfig:
     endpoint: str = "completions"
     stream: bool = True
     slo_ttft_s: float = 2.0
-    slo_e2e_s: float = 30.0
+    slo_e2e_s: float | None = None
     request_timeout_s: float = 60.0
     grace_s: float = 5.0
     priority_header: str = "X-Priority"
     model: str | None = None
+    slo_tpot_s: float = 0.1
+    client_max_tokens: int | None = DEFAULT_CLIENT_MAX_TOKENS
+    output_length: str = "auto"
+    retries: int = 0
+    retry_cap_s: float = 10.0
+    trace: str | None = None
+    trace_format: str | None = None
+    speed: float = 1.0
+    start_s: float = 0.0
+    engine_priority: bool = False
 
     def __post_init__(self) -> None:
         check_url(self.url)
@@ -113,27 +144,73 @@ class LoadConfig:
             )
         if self.endpoint not in ENDPOINTS:
             raise InvalidInputError("endpoint", self.endpoint, "must be completions or chat")
-        for name in ("duration_s", "slo_ttft_s", "slo_e2e_s", "request_timeout_s"):
+        for name in ("duration_s", "slo_ttft_s", "slo_tpot_s", "request_timeout_s"):
             _positive(name, getattr(self, name))
-        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
-            raise InvalidInputError("grace_s", self.grace_s, "must be a number of seconds >= 0")
+        if self.slo_e2e_s is not None:
+            _positive("slo_e2e_s", self.slo_e2e_s)
+        for name in ("grace_s", "retry_cap_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise InvalidInputError(
+                    name, getattr(self, name), "must be a number of seconds >= 0"
+                )
         for name in ("max_requests", "concurrency"):
             if getattr(self, name) < 1:
                 raise InvalidInputError(name, getattr(self, name), "must be an integer >= 1")
+        if self.retries < 0:
+            raise InvalidInputError("retries", self.retries, "must be an integer >= 0")
+        if self.client_max_tokens is not None and self.client_max_tokens < 1:
+            raise InvalidInputError(
+                "client_max_tokens", self.client_max_tokens, "must be an integer >= 1, or trace"
+            )
+        if self.output_length not in OUTPUT_LENGTHS:
+            raise InvalidInputError(
+                "output_length", self.output_length, f"must be one of {', '.join(OUTPUT_LENGTHS)}"
+            )
         if not self.priority_header.strip():
             raise InvalidInputError("priority_header", self.priority_header, "must not be empty")
         if self.model is not None and not self.model.strip():
             raise InvalidInputError("model", self.model, "must not be empty")
+        self._check_trace()
         self.traffic()  # scale and max_context are checked where they are used
+
+    def _check_trace(self) -> None:
+        if not (math.isfinite(self.speed) and self.speed > 0):
+            raise InvalidInputError("speed", self.speed, "must be a number > 0")
+        if not (math.isfinite(self.start_s) and self.start_s >= 0):
+            raise InvalidInputError("start_s", self.start_s, "must be a number of seconds >= 0")
+        if self.trace_format is not None and self.trace_format not in TRACE_HEADERS:
+            raise InvalidInputError(
+                "trace_format", self.trace_format, f"must be one of {', '.join(TRACE_HEADERS)}"
+            )
+        if self.trace is None:
+            # Silently replaying nothing at a speed would hide a forgotten --trace.
+            for name, value, default in (
+                ("speed", self.speed, 1.0),
+                ("start_s", self.start_s, 0.0),
+                ("trace_format", self.trace_format, None),
+            ):
+                if value != default:
+                    raise InvalidInputError(name, value, "applies only when replaying a trace")
+        elif not self.trace.strip():
+            raise InvalidInputError("trace", self.trace, "must name a trace file")
 
     @property
     def base_url(self) -> str:
         """The URL without a trailing slash, ready for a path."""
         return self.url.rstrip("/")
 
+    @property
+    def label(self) -> str:
+        """What the run sends, for the report: the pattern's name, or ``trace``."""
+        return "trace" if self.trace is not None else self.pattern
+
     def traffic(self) -> TrafficParams:
-        """The pattern's parameters for this run."""
+        """The pattern's (or the trace's) parameters for this run."""
         return TrafficParams(self.duration_s, self.scale, self.max_context, self.priority_shares)
+
+    def slo(self) -> Slo:
+        """What a good request meets."""
+        return Slo(self.slo_ttft_s, self.slo_tpot_s, self.slo_e2e_s)
 
 
 def _positive(name: str, value: float) -> None:
@@ -161,15 +238,22 @@ def words(seed: str, count: int) -> str:
     return " ".join(rng.choices(_WORDS, k=count))
 
 
-@dataclass(frozen=True)
-class _Outcome:
-    priority: str
-    status: str
-    kind: str  # "ok", "shed", "failed" or "unfinished"
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+def read_trace(config: LoadConfig) -> Trace | None:
+    """The config's trace, read and validated whole (None without one).
+
+    Raises :class:`InvalidInputError` for a malformed file (naming its line) and for
+    a ``start_s`` at or past the trace's last arrival (nothing would be replayed).
+    """
+    if config.trace is None:
+        return None
+    trace = load_trace(config.trace, config.trace_format)
+    if config.start_s > trace.span_s:
+        raise InvalidInputError(
+            "start_s",
+            config.start_s,
+            f"must be at most {trace.span_s:g} s, the last arrival of {trace.name}",
+        )
+    return trace
 
 
 @dataclass
@@ -178,25 +262,25 @@ class _Conversation:
     # as a user re-asks, so the history only holds answered turns.
     history: list[tuple[str, str]] = field(default_factory=list)
     last_spec: RequestSpec | None = None
+    ended_at: float = -math.inf  # loop time the previous turn's answer ended
 
 
 class _Run:
     """One run's state: dispatch, in-flight tasks, and what has come back."""
 
-    def __init__(self, config: LoadConfig, session: aiohttp.ClientSession, model: str) -> None:
+    def __init__(self, config: LoadConfig, client: Client) -> None:
         self.config = config
-        self.session = session
-        self.model = model
+        self.client = client
         self.loop = asyncio.get_running_loop()
         self.start = self.loop.time()
         self.deadline = self.start + config.duration_s
         self.slots = asyncio.Semaphore(config.concurrency)
-        self.tasks: set[asyncio.Task[_Outcome | None]] = set()
-        self.outcomes: list[_Outcome] = []
+        self.tasks: set[asyncio.Task[RequestOutcome | None]] = set()
+        self.outcomes: list[RequestOutcome] = []
         self.sent = 0
         self.by_kind: Counter[str] = Counter()
         self._conversations: dict[int, _Conversation] = {}
-        self._tails: dict[int, asyncio.Task[_Outcome | None]] = {}
+        self._tails: dict[int, asyncio.Task[RequestOutcome | None]] = {}
 
     # ------------------------------------------------------------------ dispatch
     async def dispatch(self, specs: Iterator[RequestSpec]) -> None:
@@ -250,16 +334,18 @@ class _Run:
         self.sent += 1
         return True
 
-    def _spawn(self, coro: Coroutine[Any, Any, _Outcome | None]) -> asyncio.Task[_Outcome | None]:
-        task: asyncio.Task[_Outcome | None] = self.loop.create_task(coro)
+    def _spawn(
+        self, coro: Coroutine[Any, Any, RequestOutcome | None]
+    ) -> asyncio.Task[RequestOutcome | None]:
+        task: asyncio.Task[RequestOutcome | None] = self.loop.create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
 
-    async def _one_shot(self, number: int, spec: RequestSpec) -> _Outcome:
+    async def _one_shot(self, number: int, spec: RequestSpec) -> RequestOutcome:
         text = words(f"{self.config.seed}/{number}", spec.prompt_tokens)
         try:
-            return await self._send(spec, [("user", text)])
+            return await self._send(spec, [("user", text)], self.start + spec.at_s)
         finally:
             self.slots.release()
 
@@ -268,193 +354,115 @@ class _Run:
         number: int,
         spec: RequestSpec,
         conversation: int,
-        previous: asyncio.Task[_Outcome | None] | None,
-    ) -> _Outcome | None:
+        previous: asyncio.Task[RequestOutcome | None] | None,
+    ) -> RequestOutcome | None:
         if previous is not None:
             await asyncio.wait({previous})  # its outcome is recorded by that task itself
         if not await self._take_slot():
             return None
+        state = self._conversations.setdefault(conversation, _Conversation())
+        # A turn is due at its offset, or when the user has read the previous answer.
+        scheduled = max(self.start + spec.at_s, state.ended_at)
         try:
-            state = self._conversations.setdefault(conversation, _Conversation())
             if spec.turn == 0:
                 state.history = []
             tokens = new_message_tokens(spec, state.last_spec)
             state.last_spec = spec
             asked = [*state.history, ("user", words(f"{self.config.seed}/{number}", tokens))]
-            outcome = await self._send(spec, asked)
-            if outcome.kind == "ok":
+            outcome = await self._send(spec, asked, scheduled)
+            if outcome.completed:
                 answer = words(f"{self.config.seed}/{number}/answer", outcome.completion_tokens)
                 state.history = [*asked, ("assistant", answer)]
             return outcome
         finally:
+            state.ended_at = self.loop.time()
             self.slots.release()
 
-    # ------------------------------------------------------------------ one request
-    def _body(self, spec: RequestSpec, messages: list[tuple[str, str]]) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": spec.max_tokens}
-        if self.config.endpoint == "chat":
-            body["messages"] = [{"role": role, "content": text} for role, text in messages]
-        else:
-            body["prompt"] = " ".join(text for _, text in messages)
-        body["stream"] = self.config.stream
-        if self.config.stream:
-            body["stream_options"] = {"include_usage": True}
-        return body
-
-    async def _send(self, spec: RequestSpec, messages: list[tuple[str, str]]) -> _Outcome:
+    async def _send(
+        self, spec: RequestSpec, messages: list[tuple[str, str]], scheduled: float
+    ) -> RequestOutcome:
         # Recorded exactly once, in `finally`: a cancellation (the grace period ran
         # out) leaves the default outcome, and is then re-raised.
-        # Still running when the run's grace period ended: cut off by us, not failed by the server.
-        outcome = _Outcome(spec.priority, "unfinished", "unfinished")
+        attempts = Attempts()
+        outcome = self.client.unfinished(spec)
         try:
-            outcome = await self._exchange(spec, messages)
-        except (asyncio.TimeoutError, TimeoutError):
-            outcome = _Outcome(spec.priority, "timeout", "failed")
-        except aiohttp.ClientError:
-            outcome = _Outcome(spec.priority, "connection_error", "failed")
-        except ValueError:  # JSON that does not decode, or a shape we cannot read
-            outcome = _Outcome(spec.priority, "bad_response", "failed")
+            outcome = await self.client.send(
+                spec,
+                messages,
+                scheduled=scheduled,
+                give_up_at=self.deadline + self.config.grace_s,
+                attempts=attempts,
+            )
         finally:
+            if outcome.kind == "unfinished":
+                outcome = replace(outcome, retries=attempts.retries)
             self.outcomes.append(outcome)
             self.by_kind[outcome.kind] += 1
         return outcome
-
-    async def _exchange(self, spec: RequestSpec, messages: list[tuple[str, str]]) -> _Outcome:
-        began = self.loop.time()
-        async with self.session.post(
-            self.config.base_url + ENDPOINTS[self.config.endpoint],
-            json=self._body(spec, messages),
-            headers={self.config.priority_header: spec.priority},
-            timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
-            allow_redirects=False,
-        ) as response:
-            status = str(response.status)
-            if response.status in SHED_STATUSES:
-                return _Outcome(spec.priority, status, "shed")
-            if not 200 <= response.status < 300:
-                return _Outcome(spec.priority, status, "failed")
-            if self.config.stream:
-                return await self._read_stream(spec, response, began)
-            return await self._read_body(spec, response, began)
-
-    async def _read_body(
-        self, spec: RequestSpec, response: aiohttp.ClientResponse, began: float
-    ) -> _Outcome:
-        data = json.loads(await response.read())
-        prompt, completion = _usage(data)
-        e2e = self.loop.time() - began
-        return _Outcome(spec.priority, str(response.status), "ok", None, e2e, prompt, completion)
-
-    async def _read_stream(
-        self, spec: RequestSpec, response: aiohttp.ClientResponse, began: float
-    ) -> _Outcome:
-        first: float | None = None
-        prompt = completion = 0
-        finished = False
-        async for raw in response.content:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:"):
-                continue  # blank separators, comments and event names
-            payload = line[len("data:") :].strip()
-            if payload == "[DONE]":
-                finished = True
-                break
-            chunk = json.loads(payload)
-            if not isinstance(chunk, dict) or "error" in chunk:
-                return _Outcome(spec.priority, "stream_error", "failed")
-            if chunk.get("usage"):
-                prompt, completion = _usage(chunk)
-            for choice in chunk.get("choices") or []:
-                if first is None and _content(choice):
-                    first = self.loop.time() - began
-                finished = finished or bool(choice.get("finish_reason"))
-        if not finished:
-            return _Outcome(spec.priority, "incomplete", "failed")
-        e2e = self.loop.time() - began
-        return _Outcome(spec.priority, str(response.status), "ok", first, e2e, prompt, completion)
 
     # ------------------------------------------------------------------ report
     def report(self, preemptions: float | None, duration_s: float) -> LoadReport:
         """The report over every recorded outcome."""
         config = self.config
-        ok = [o for o in self.outcomes if o.kind == "ok"]
+        slo = config.slo()
+        totals = ClassCounts.of(self.outcomes, slo)
         classes = {
-            name: ClassCounts(
-                sent=sum(o.priority == name for o in self.outcomes),
-                succeeded=sum(o.priority == name and o.kind == "ok" for o in self.outcomes),
-                failed=sum(o.priority == name and o.kind == "failed" for o in self.outcomes),
-                shed=sum(o.priority == name and o.kind == "shed" for o in self.outcomes),
-                unfinished=sum(
-                    o.priority == name and o.kind == "unfinished" for o in self.outcomes
-                ),
-            )
+            name: ClassCounts.of([o for o in self.outcomes if o.priority == name], slo)
             for name in PRIORITIES
         }
-        good = sum(_within_slo(o, config) for o in ok)
+        done = [o for o in self.outcomes if o.completed]
         return LoadReport(
-            pattern=config.pattern,
+            pattern=config.label,
             seed=config.seed,
-            model=self.model,
+            model=self.client.settings.model,
             duration_s=duration_s,
-            sent=len(self.outcomes),
-            succeeded=len(ok),
-            failed=self.by_kind["failed"],
-            shed=self.by_kind["shed"],
-            unfinished=self.by_kind["unfinished"],
+            sent=totals.sent,
+            succeeded=totals.succeeded,
+            failed=totals.failed,
+            shed=totals.shed,
+            unfinished=totals.unfinished,
             by_priority=classes,
-            ttft_s=Percentiles.of([o.ttft_s for o in ok if o.ttft_s is not None]),
-            e2e_s=Percentiles.of([o.e2e_s for o in ok if o.e2e_s is not None]),
-            prompt_tokens=sum(o.prompt_tokens for o in ok),
-            completion_tokens=sum(o.completion_tokens for o in ok),
+            ttft_s=Percentiles.of([o.ttft_s for o in done if o.ttft_s is not None]),
+            e2e_s=Percentiles.of([o.e2e_s for o in done if o.e2e_s is not None]),
+            prompt_tokens=sum(o.prompt_tokens for o in done),
+            completion_tokens=totals.completion_tokens,
             slo_ttft_s=config.slo_ttft_s,
             slo_e2e_s=config.slo_e2e_s,
-            goodput=good,
-            goodput_ratio=good / len(self.outcomes) if self.outcomes else None,
+            goodput=totals.slo_met,
+            goodput_ratio=totals.slo_attainment,
             preemptions=preemptions,
             status_counts=dict(Counter(o.status for o in self.outcomes)),
+            refused=totals.refused,
+            clamped=totals.clamped,
+            goodput_tokens=totals.goodput_tokens,
+            requested_max_tokens=totals.requested_max_tokens,
+            tpot_s=Percentiles.of([t for o in done if (t := o.tpot_s) is not None]),
+            ttft_p99_s=totals.ttft_p99_s,
+            tpot_p99_s=totals.tpot_p99_s,
+            retries=totals.retries,
+            slo_tpot_s=config.slo_tpot_s,
+            client_max_tokens=(
+                "trace" if config.client_max_tokens is None else config.client_max_tokens
+            ),
+            retries_allowed=config.retries,
+            output_length=self.client.settings.output_length,
+            trace=None if config.trace is None else Path(config.trace).name,
+            speed=config.speed,
+            start_s=config.start_s,
         )
 
     def progress_line(self) -> str:
         """The one-line progress shown on a terminal."""
         elapsed = min(self.loop.time() - self.start, self.config.duration_s)
         return (
-            f"loadgen {self.config.pattern}  {elapsed:.1f}s/{self.config.duration_s:g}s"
-            f"  sent {self.sent}  ok {self.by_kind['ok']}  shed {self.by_kind['shed']}"
+            f"loadgen {self.config.label}  {elapsed:.1f}s/{self.config.duration_s:g}s"
+            f"  sent {self.sent}  ok {self.by_kind['completed']}  shed {self.by_kind['shed']}"
             f"  failed {self.by_kind['failed']}"
         )
 
 
-def _usage(data: object) -> tuple[int, int]:
-    """Prompt and completion tokens of an OpenAI ``usage`` object (0 when absent)."""
-    if not isinstance(data, dict):
-        raise ValueError("response is not a JSON object")  # noqa: TRY004 -- read as a bad response
-    usage = data.get("usage") or {}
-    if not isinstance(usage, dict):
-        raise ValueError("usage is not a JSON object")  # noqa: TRY004 -- read as a bad response
-    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-
-
-def _content(choice: object) -> bool:
-    """Whether a streamed choice carries generated text (completions or chat delta)."""
-    if not isinstance(choice, dict):
-        return False
-    delta = choice.get("delta")
-    text = choice.get("text") or (delta.get("content") if isinstance(delta, dict) else None)
-    return bool(text)
-
-
-def _within_slo(outcome: _Outcome, config: LoadConfig) -> bool:
-    e2e = outcome.e2e_s if outcome.e2e_s is not None else math.inf
-    if e2e > config.slo_e2e_s:
-        return False
-    if not config.stream:
-        return True  # the first token cannot be seen apart from the last
-    ttft = outcome.ttft_s if outcome.ttft_s is not None else e2e
-    return ttft <= config.slo_ttft_s
-
-
-async def _first_model(session: aiohttp.ClientSession, base_url: str) -> tuple[str, int | None]:
-    """The first model the server lists at ``GET /v1/models``, and its max_model_len if given."""
+async def _server_card(session: aiohttp.ClientSession, base_url: str) -> Mapping[str, Any]:
+    """The first model card the server lists at ``GET /v1/models``."""
     allowed = "must serve GET /v1/models with at least one model (or name the model)"
     try:
         async with session.get(
@@ -465,12 +473,18 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str) -> tuple[s
             response.raise_for_status()
             data = json.loads(await response.read())
         card = data["data"][0]
-        limit = card.get("max_model_len")
-        return str(card["id"]), limit if isinstance(limit, int) and limit > 1 else None
     except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError) as exc:
         raise InvalidInputError("url", base_url, f"{allowed}; {type(exc).__name__}") from exc
     except (ValueError, LookupError, TypeError) as exc:
         raise InvalidInputError("url", base_url, f"{allowed}; unexpected answer") from exc
+    if not isinstance(card, dict) or "id" not in card:
+        raise InvalidInputError("url", base_url, f"{allowed}; a model card without an id")
+    return card
+
+
+def _context_limit(card: Mapping[str, Any] | None) -> int | None:
+    limit = None if card is None else card.get("max_model_len")
+    return limit if isinstance(limit, int) and limit > 1 else None
 
 
 async def _scrape(session: aiohttp.ClientSession, base_url: str) -> str | None:
@@ -528,18 +542,38 @@ async def _show_progress(run: _Run) -> None:
         await asyncio.sleep(_PROGRESS_INTERVAL_S)
 
 
-async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> LoadReport:
-    """Drive ``config.url`` with ``config.pattern`` and report what came back.
+async def _model_card(
+    monitor: aiohttp.ClientSession, config: LoadConfig
+) -> Mapping[str, Any] | None:
+    """The server's first model card; None when a named model makes it optional and it fails.
 
-    Bounded: sending stops at ``duration_s`` or ``max_requests``; in-flight requests
-    then have until the deadline plus ``grace_s`` before they are cancelled and
-    counted as unfinished (not failed: the run cut them off, the server did not).
-    Raises :class:`InvalidInputError` when
-    no model is given and the server does not list one. A progress line is drawn
-    on stderr when it is a terminal. Setting ``stop`` (Ctrl-C) ends the run at once:
-    what is in flight is cancelled and counted unfinished, and the report covers
-    what was sent.
+    Without ``model`` the card is required (its id is the model). With one, it is
+    only asked for ``output_length`` auto, and a server that lists no models is
+    taken for a real engine.
     """
+    if config.model is None:
+        return await _server_card(monitor, config.base_url)
+    if config.output_length != "auto":
+        return None
+    try:
+        return await _server_card(monitor, config.base_url)
+    except InvalidInputError:
+        return None
+
+
+async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> LoadReport:
+    """Drive ``config.url`` with ``config.pattern`` (or ``config.trace``) and report what came back.
+
+    A trace is read and validated whole before anything is sent. Bounded: sending
+    stops at ``duration_s`` or ``max_requests``; in-flight requests then have until
+    the deadline plus ``grace_s`` before they are cancelled and counted as
+    unfinished (not failed: the run cut them off, the server did not). Raises
+    :class:`InvalidInputError` for a malformed trace, and when no model is given and
+    the server does not list one. A progress line is drawn on stderr when it is a
+    terminal. Setting ``stop`` (Ctrl-C) ends the run at once: what is in flight is
+    cancelled and counted unfinished, and the report covers what was sent.
+    """
+    trace = read_trace(config)
     # Idle connections dropped before the server's keep-alive timer could close one
     # under a new POST (kvguard.http_client): that request would be lost, not refused.
     connector = aiohttp.TCPConnector(
@@ -551,16 +585,28 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
         aiohttp.ClientSession() as monitor,
         aiohttp.ClientSession(connector=connector) as session,
     ):
-        model, limit = config.model, None
-        if model is None:
-            model, limit = await _first_model(monitor, config.base_url)
+        card = await _model_card(monitor, config)
+        model = config.model if config.model is not None else str(card["id"] if card else "")
+        # A card's limit is the named model's only when it is that model's card.
+        limit = _context_limit(card) if card and card.get("id") == model else None
         if limit is not None:
             # Never plan requests the server will refuse; chat templates add a few tokens.
             room = limit - (_CHAT_TEMPLATE_TOKENS if config.endpoint == "chat" else 0)
             config = replace(config, max_context=max(2, min(config.max_context, room)))
-        specs = generate(config.pattern, seed=config.seed, params=config.traffic())
+        specs: Iterator[RequestSpec]
+        if trace is not None:
+            specs = replay(
+                trace,
+                config.traffic(),
+                seed=config.seed,
+                speed=config.speed,
+                start_s=config.start_s,
+            )
+        else:
+            specs = generate(config.pattern, seed=config.seed, params=config.traffic())
+        client = Client(session, _client_settings(config, model, card))
         before = await _scrape(monitor, config.base_url)
-        run = _Run(config, session, model)
+        run = _Run(config, client)
         progress = asyncio.ensure_future(_show_progress(run)) if sys.stderr.isatty() else None
         sampler = _CacheSampler()
         sampling = asyncio.ensure_future(sampler.run(monitor, config.base_url))
@@ -594,4 +640,23 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
         kv_usage_peak=max(sampler.usage, default=None),
         kv_usage_mean=sum(sampler.usage) / len(sampler.usage) if sampler.usage else None,
         waiting_peak=max(sampler.waiting, default=None),
+    )
+
+
+def _client_settings(
+    config: LoadConfig, model: str, card: Mapping[str, Any] | None
+) -> ClientSettings:
+    return ClientSettings(
+        base_url=config.base_url,
+        endpoint=config.endpoint,
+        model=model,
+        stream=config.stream,
+        priority_header=config.priority_header,
+        request_timeout_s=config.request_timeout_s,
+        max_context=config.max_context,
+        client_max_tokens=config.client_max_tokens,
+        output_length=resolve_output_length(config.output_length, card),
+        retries=config.retries,
+        retry_cap_s=config.retry_cap_s,
+        engine_priority=config.engine_priority,
     )

@@ -8,8 +8,8 @@ traffic shapes that stress different limits at the same token throughput
 ladder can be exercised one shape at a time.
 
 Every size is in tokens and multiplied by ``scale`` (so a test can aim the same
-shape at a tiny KV pool), then capped so that ``prompt_tokens + max_tokens`` never
-exceeds ``max_context``. Only ``random.Random(seed)`` is used: the same seed and
+shape at a tiny KV pool), then capped so that ``prompt_tokens + output_tokens``
+never exceeds ``max_context``. Only ``random.Random(seed)`` is used: the same seed and
 parameters give the same specs, on any machine.
 """
 
@@ -49,14 +49,18 @@ class RequestSpec:
     ``at_s`` is the offset from the start of the run. For a conversation turn it is
     the earliest send time: the turn also waits for the previous turn to complete.
     ``prompt_tokens`` is the planned prompt; a later turn's prompt is the previous
-    prompt, plus the previous answer (planned at its ``max_tokens``), plus a new
-    user message. ``conversation`` is None for a one-shot request; ``turn`` counts
-    from 0 and returns to 0 when a conversation restarts.
+    prompt, plus the previous answer (planned at its ``output_tokens``), plus a new
+    user message. ``output_tokens`` is the answer's TRUE length: where the model
+    would stop on its own. A real client does not know it and asks for more
+    (``max_tokens``); the load generator decides what to ask and how the engine
+    learns the true length (:mod:`kvguard.sim.loadgen`). ``conversation`` is None
+    for a one-shot request; ``turn`` counts from 0 and returns to 0 when a
+    conversation restarts.
     """
 
     at_s: float
     prompt_tokens: int
-    max_tokens: int
+    output_tokens: int
     priority: str
     conversation: int | None = None
     turn: int = 0
@@ -105,7 +109,7 @@ class TrafficParams:
 
     ``duration_s`` bounds the arrival offsets (every spec has ``at_s < duration_s``),
     ``scale`` multiplies every token size (a size never drops below 1 token), and
-    ``max_context`` caps ``prompt_tokens + max_tokens`` of every request.
+    ``max_context`` caps ``prompt_tokens + output_tokens`` of every request.
     """
 
     duration_s: float = 60.0
@@ -127,15 +131,23 @@ class TrafficParams:
 
     def tokens(self, rng: random.Random, low: int, high: int) -> int:
         """A uniform size in ``[low, high]`` tokens at scale 1, scaled, at least 1."""
-        return max(1, round(rng.randint(low, high) * self.scale))
+        return self.scaled(rng.randint(low, high))
+
+    def scaled(self, tokens: int) -> int:
+        """``tokens`` times ``scale``, rounded, at least 1 (a recorded 0 still costs a token)."""
+        return max(1, round(tokens * self.scale))
 
     def one_shot(self, rng: random.Random, at_s: float, prompt: int, answer: int) -> RequestSpec:
-        """A request outside any conversation, capped to the context limit."""
-        prompt, answer = _cap(prompt, answer, self.max_context)
+        """A request outside any conversation, capped to the context limit.
+
+        ``answer`` is the true output length; the priority class is drawn from ``rng``.
+        """
+        prompt, answer = cap_to_context(prompt, answer, self.max_context)
         return RequestSpec(at_s, prompt, answer, self.shares.draw(rng))
 
 
-def _cap(prompt: int, answer: int, max_context: int) -> tuple[int, int]:
+def cap_to_context(prompt: int, answer: int, max_context: int) -> tuple[int, int]:
+    """``(prompt, answer)`` cut so their sum fits ``max_context``; the prompt gives way first."""
     # The answer is kept whole where it fits because it is what distinguishes a
     # decode-heavy request; the prompt gives way first.
     answer = min(answer, max_context - 1)
@@ -238,7 +250,7 @@ def _conversation(
             priority = params.shares.draw(rng)
             continue
         if turn == 0:
-            grown, next_answer = _cap(grown, next_answer, params.max_context)
+            grown, next_answer = cap_to_context(grown, next_answer, params.max_context)
         else:
             next_answer = min(next_answer, params.max_context - grown)
         yield RequestSpec(t, grown, next_answer, priority, number, turn)
@@ -352,4 +364,4 @@ def new_message_tokens(spec: RequestSpec, previous: RequestSpec | None) -> int:
     """
     if spec.turn == 0 or previous is None:
         return spec.prompt_tokens
-    return spec.prompt_tokens - previous.prompt_tokens - previous.max_tokens
+    return spec.prompt_tokens - previous.prompt_tokens - previous.output_tokens

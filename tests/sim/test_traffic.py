@@ -84,8 +84,8 @@ def test_every_spec_is_within_bounds(pattern, seed, duration_s, scale, max_conte
     for spec in items:
         assert 0 <= spec.at_s < duration_s
         assert spec.prompt_tokens >= 1
-        assert spec.max_tokens >= 1
-        assert spec.prompt_tokens + spec.max_tokens <= max_context
+        assert spec.output_tokens >= 1
+        assert spec.prompt_tokens + spec.output_tokens <= max_context
         assert spec.priority in PRIORITIES
         assert spec.turn >= 0
         if spec.conversation is None:
@@ -107,7 +107,7 @@ def test_scale_multiplies_every_size(pattern, seed, scale):
     for a, b in zip(plain, scaled, strict=True):
         if a.conversation is None:  # conversation prompts sum scaled parts, rounded each
             assert b.prompt_tokens == max(1, round(a.prompt_tokens * scale))
-        assert b.max_tokens == max(1, round(a.max_tokens * scale))
+        assert b.output_tokens == max(1, round(a.output_tokens * scale))
         assert b.at_s == a.at_s
 
 
@@ -121,7 +121,7 @@ def test_bursty_short_arrives_in_bursts_of_short_requests():
     for burst in bursts[:-1]:  # the last one may be cut by the duration
         assert len(burst) >= 100
         assert burst[-1].at_s - burst[0].at_s <= 0.05 + 1e-9
-    assert all(50 <= s.prompt_tokens <= 300 and 20 <= s.max_tokens <= 100 for s in items)
+    assert all(50 <= s.prompt_tokens <= 300 and 20 <= s.output_tokens <= 100 for s in items)
 
 
 def test_bursty_short_parameters_shape_the_bursts():
@@ -153,10 +153,10 @@ def test_long_context_conversations_grow_turn_by_turn_and_restart():
             assert spec.turn == prev.turn + 1
             message = new_message_tokens(spec, prev)
             assert message >= 1
-            assert spec.prompt_tokens == prev.prompt_tokens + prev.max_tokens + message
+            assert spec.prompt_tokens == prev.prompt_tokens + prev.output_tokens + message
             assert spec.prompt_tokens > prev.prompt_tokens
         for spec in turns:
-            assert spec.prompt_tokens + spec.max_tokens <= 300
+            assert spec.prompt_tokens + spec.output_tokens <= 300
     assert restarts >= 4
 
 
@@ -165,7 +165,7 @@ def test_long_context_reaches_toward_the_context_limit():
     items = specs("long_context", 9, duration_s=600, scale=0.1, max_context=2000)
     for turns in by_conversation(items).values():
         peaks = [
-            prev.prompt_tokens + prev.max_tokens
+            prev.prompt_tokens + prev.output_tokens
             for prev, spec in itertools.pairwise(turns)
             if spec.turn == 0
         ]
@@ -191,9 +191,9 @@ def test_prefill_heavy_prompts_dwarf_answers():
     """Prompts of 2k-8k tokens, answers of at most 128."""
     items = specs("prefill_heavy", 1, duration_s=60, max_context=100_000)
     assert len(items) > 50
-    assert all(2000 <= s.prompt_tokens <= 8000 and s.max_tokens <= 128 for s in items)
+    assert all(2000 <= s.prompt_tokens <= 8000 and s.output_tokens <= 128 for s in items)
     assert statistics.mean(s.prompt_tokens for s in items) > 20 * statistics.mean(
-        s.max_tokens for s in items
+        s.output_tokens for s in items
     )
 
 
@@ -201,8 +201,8 @@ def test_decode_heavy_answers_dwarf_prompts():
     """Prompts of at most 200 tokens, answers of 500-2000."""
     items = specs("decode_heavy", 1, duration_s=60)
     assert len(items) > 50
-    assert all(s.prompt_tokens <= 200 and 500 <= s.max_tokens <= 2000 for s in items)
-    assert statistics.mean(s.max_tokens for s in items) > 5 * statistics.mean(
+    assert all(s.prompt_tokens <= 200 and 500 <= s.output_tokens <= 2000 for s in items)
+    assert statistics.mean(s.output_tokens for s in items) > 5 * statistics.mean(
         s.prompt_tokens for s in items
     )
 
@@ -231,9 +231,9 @@ def test_mixed_blends_conversations_and_one_shot_requests():
     items = specs("mixed", 11, duration_s=60, max_context=100_000)
     assert 2 <= len(by_conversation(items)) <= 3
     one_shot = [s for s in items if s.conversation is None]
-    assert any(s.prompt_tokens >= 2000 and s.max_tokens <= 128 for s in one_shot)
-    assert any(s.max_tokens >= 500 and s.prompt_tokens <= 200 for s in one_shot)
-    assert sum(s.prompt_tokens <= 300 and s.max_tokens <= 100 for s in one_shot) > 100
+    assert any(s.prompt_tokens >= 2000 and s.output_tokens <= 128 for s in one_shot)
+    assert any(s.output_tokens >= 500 and s.prompt_tokens <= 200 for s in one_shot)
+    assert sum(s.prompt_tokens <= 300 and s.output_tokens <= 100 for s in one_shot) > 100
 
 
 def test_default_priority_shares_are_respected():
