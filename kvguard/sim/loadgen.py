@@ -289,8 +289,11 @@ class _Run:
             if self.sent >= self.config.max_requests or not await self._wait_until(spec.at_s):
                 return
             if spec.conversation is None:
-                if not await self._take_slot():
-                    return
+                # Open loop: a request is sent (and counted) when it is due; waiting for a
+                # client slot happens in its own task, so a slow server delays no later
+                # arrival, and one still waiting when the run ends counts as unfinished
+                # instead of vanishing from the report.
+                self.sent += 1
                 self._spawn(self._one_shot(number, spec))
             else:
                 conversation = spec.conversation
@@ -343,6 +346,14 @@ class _Run:
         return task
 
     async def _one_shot(self, number: int, spec: RequestSpec) -> RequestOutcome:
+        try:
+            await self.slots.acquire()
+        except asyncio.CancelledError:
+            # The run ended while it waited for a connection: the user got nothing.
+            outcome = self.client.unfinished(spec)
+            self.outcomes.append(outcome)
+            self.by_kind[outcome.kind] += 1
+            raise
         text = words(f"{self.config.seed}/{number}", spec.prompt_tokens)
         try:
             return await self._send(spec, [("user", text)], self.start + spec.at_s)

@@ -708,6 +708,16 @@ async def test_latency_counts_from_the_scheduled_time(sim_engine, tmp_path):
     assert two.ttft_s.max < two.e2e_s.p50 / 2
 
 
+async def test_a_request_due_but_never_given_a_slot_counts_as_unfinished(sim_engine, tmp_path):
+    """Open loop: three requests due at once behind one slow slot are all sent and reported."""
+    url = await sim_engine(**ROOMY, step_fixed_s=0.2, per_token_s=0.0)
+    path = trace_file(tmp_path, [(0, 10, 50), (0, 10, 50), (0.1, 10, 50)])
+    report = await run_load(LoadConfig(url, trace=path, concurrency=1, duration_s=0.5, grace_s=0.3))
+    assert report.sent == 3
+    assert report.unfinished == 3  # one cut off in flight, two still waiting for the slot
+    assert sum(c.unfinished for c in report.by_priority.values()) == 3
+
+
 async def test_retry_after_is_honoured_and_counted_apart(scripted, tmp_path):
     """A 503 with Retry-After is sent again after the delay: one request, one retry, completed."""
 
