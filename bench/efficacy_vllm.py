@@ -1,83 +1,66 @@
-"""Protection efficacy on a real vLLM (CPU): the same policies as bench/efficacy.py.
+"""Protection efficacy on a real vLLM (CPU): the same client, policies and report as on the sim.
 
 One vLLM server for CPU with the tiny model that ``scripts/real-engines.sh install vllm``
-installs (2,048 KV tokens: 15 usable blocks of 128, ``max_model_len`` 512,
-``max_num_seqs`` 8), on 127.0.0.1. The same seeded ``kvguard loadgen`` traffic goes to
-it under each policy, one after another; between runs the engine is left to drain and
-its prefix cache is reset, so a later run does not find an earlier run's prompts
-cached. vLLM preempts (it does not crash) when its pool runs out: only the ``preempt``
-failure mode applies. The server runs with ``max_num_seqs`` 16, so the KV pool, not the
-batch size, is what runs out; ``static_limit`` is a second server with ``max_num_seqs``
-8, the rule of bench/efficacy.py for this pool (1,920 tokens over requests of about
-250).
+installs (2,048 KV tokens: 15 usable blocks of 128, ``max_model_len`` 512), on
+127.0.0.1, started once per engine configuration the runs need (``max_num_seqs`` of the
+static sweep, priority scheduling for ``engine_priority``). Between runs the engine is
+left to drain and its prefix cache is reset, so a later run does not find an earlier
+run's prompts cached. vLLM preempts (it does not crash) when its pool runs out: only the
+``preempt`` failure mode applies. vLLM cannot be told a request's true length, so the
+client sends ``max_tokens`` = the true length with ``ignore_eos`` (it does not over-ask
+here; the report says so in ``output_length``).
 
-    .venv/bin/python -m bench.efficacy_vllm [--seeds 2] [--pattern-s 12]
+    .venv/bin/python -m bench.efficacy_vllm [--seeds 2] [--pattern-s 20] [--out-dir DIR]
 
-Writes ``bench/results/efficacy_vllm.json`` (the list of runs) and
-``efficacy_vllm_summary.json``. Needs ``scripts/real-engines.sh install vllm``; without
-it, says so and exits 2.
+Writes ``DIR/efficacy_vllm.json`` (``meta``, ``runs``, ``summary``, as
+``efficacy.json``). Needs ``scripts/real-engines.sh install vllm``; without it, says so
+and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.efficacy import (
-    GRACE_S,
-    Clock,
-    LoadShape,
-    Policy,
-    Reading,
-    Run,
-    Trace,
-    finish,
-    machine,
-    pattern_load,
-    run_from,
-    sample_engine,
-    summarize,
-    targets,
-    warmup_load,
-)
+from bench import efficacy
+from bench import efficacy_policies as pol
+from bench.efficacy_stats import STATIC, summarize
 from kvguard.api.logs import configure_logging
 from kvguard.errors import KvguardError
 from kvguard.http_client import client_session
 from kvguard.probes.engine import EngineProbe
-from kvguard.sim.loadgen import run_load
+from kvguard.sim.runner import PoolSpec
 
 RESULTS = Path("bench/results")
-PATTERNS = ("bursty_short", "long_context")
-POLICIES = ("none", "llmd_rule", "kvguard", "kvguard_projected")
-STATIC_MAX_NUM_SEQS = 8  # 1,920 pool tokens / ~250 tokens a typical request holds
-PATTERN_S = 12.0
+WORKLOADS = (
+    efficacy.Workload(pattern="bursty_short"),
+    efficacy.Workload(pattern="long_context"),
+    # The trace's prompts (about 2,000 tokens) are scaled to this engine's 512-token context.
+    efficacy.Workload(trace=efficacy.AZURE_CODE, speed=1.0, scale=0.2),
+)
+POLICIES = ("none", "static", "engine_priority", "llmd_rule", "kvguard", *pol.OBSERVERS)
+STATIC_SWEEP = (4, 8)
+PATTERN_S = 20.0
 SAMPLE_S = 0.25  # an HTTP scrape of the engine each time: not as often as the simulator
 IDLE_WAIT_S = 90.0
 # 16 sequences of ~250 tokens want twice the 1,920-token pool: the KV cache, not the
-# batch size, is what runs out (with the tests' 8 the pool is never full on bursts).
+# batch size, is what runs out.
 MAX_NUM_SEQS = 16
-VLLM_ARGS = ("--max-num-seqs", str(MAX_NUM_SEQS))
-VLLM_LOAD = LoadShape(concurrency=64, max_context=512, scale=1.0, warmup_scale=0.1)
-
-
-def _reader(probe: EngineProbe) -> Callable[[], Awaitable[Reading]]:
-    async def read() -> Reading:
-        stats = await probe.sample()
-        return (
-            stats.kv_cache_usage_ratio or 0.0,
-            int(stats.requests_waiting or 0),
-            int(stats.preemptions_total or 0),
-        )
-
-    return read
+# Prompts are plain words, about 3% more tokens than words to this model's tokenizer:
+# planning within 480 keeps prompt + max_tokens inside its 512-token context.
+SETUP = efficacy.Setup(
+    pattern_s=PATTERN_S, warmup_s=3.0, grace_s=20.0, concurrency=64, max_context=480
+)
 
 
 async def settle(url: str) -> None:
@@ -104,115 +87,157 @@ async def settle(url: str) -> None:
             await asyncio.sleep(0.5)
 
 
-async def measure(
-    url: str, pattern: str, seed: int, policy: str, *, pattern_s: float, grace_s: float
-) -> list[Run]:
-    """One run of ``policy`` against the running vLLM at ``url``."""
-    began = time.monotonic()
-    await settle(url)
-    clock = Clock()
-    traces = {policy: Trace()}
-    trace = traces[policy]
-    probe = EngineProbe(url, kind="vllm", timeout_s=5.0)  # a CPU vLLM under load is slow
-    stop = asyncio.Event()
-    sampler = asyncio.ensure_future(sample_engine(_reader(probe), clock, trace, stop, SAMPLE_S))
-    shaping = Policy(policy, url, clock, traces)
-    try:
-        await shaping.start()
-        await run_load(warmup_load(shaping.url, seed, VLLM_LOAD))
-        clock.start = time.monotonic()
-        report = await run_load(
-            pattern_load(
-                shaping.url, pattern, seed, duration_s=pattern_s, grace_s=grace_s, shape=VLLM_LOAD
+class VllmHost:
+    """Real vLLM servers, one per engine configuration, reused across runs."""
+
+    name = "vllm-cpu"
+    pool = PoolSpec(kv_capacity_tokens=1920, max_model_len=512, max_num_seqs=MAX_NUM_SEQS)
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
+        self._stack = contextlib.ExitStack()
+        self._key: tuple[int, str] | None = None
+        self._url = ""
+
+    def _serve(self, max_num_seqs: int, scheduling_policy: str) -> str:
+        from tests.real.vllm_engine import running_vllm  # noqa: PLC0415 - the tests' helper
+
+        key = (max_num_seqs, scheduling_policy)
+        if key != self._key:
+            self._stack.close()  # one server at a time: two CPU vLLMs on 2 cores distort both
+            self._stack = contextlib.ExitStack()
+            args = ("--max-num-seqs", str(max_num_seqs), "--scheduling-policy", scheduling_policy)
+            scratch = self.scratch / f"{max_num_seqs}-{scheduling_policy}"
+            server = self._stack.enter_context(
+                running_vllm(scratch, dev_mode=True, extra_args=args)
             )
-        )
+            self._key, self._url = key, server.url
+        return self._url
+
+    async def open(
+        self, *, mode: str, max_num_seqs: int, scheduling_policy: str, seed: int
+    ) -> efficacy.EngineRun:
+        """The running server for this configuration, settled; ``mode`` must be preempt."""
+        del seed  # vLLM's own randomness is not seeded per run
+        if mode != "preempt":
+            raise ValueError("vLLM preempts when its pool runs out: only the preempt mode applies")
+        url = await asyncio.to_thread(self._serve, max_num_seqs, scheduling_policy)
+        await settle(url)
+        probe = EngineProbe(url, kind="vllm", timeout_s=5.0)  # a CPU vLLM under load is slow
+
+        async def read() -> pol.Reading:
+            stats = await probe.sample()
+            return (
+                stats.kv_cache_usage_ratio or 0.0,
+                int(stats.requests_waiting or 0),
+                int(stats.preemptions_total or 0),
+            )
+
+        async def nothing() -> None:
+            return None
+
+        return efficacy.EngineRun(url, read, asyncio.Event(), probe.close, nothing)
+
+    def close(self) -> None:
+        """Stop the server that is running."""
+        self._stack.close()
+
+
+def traffic_runs(
+    seeds: int, policies: tuple[str, ...]
+) -> list[tuple[str, efficacy.Workload, int, str, int | None]]:
+    """The runs grouped by engine configuration, so each server starts once."""
+    shaping = [p for p in ("none", "engine_priority", "llmd_rule", "kvguard") if p in policies]
+    if any(p in policies for p in pol.OBSERVERS) and "none" not in shaping:
+        shaping.insert(0, "none")
+    groups: list[list[tuple[str, int | None]]] = [
+        [(p, None) for p in shaping if p != "engine_priority"],
+        [("engine_priority", None)] if "engine_priority" in shaping else [],
+    ]
+    if STATIC in policies:
+        groups += [[(STATIC, n)] for n in STATIC_SWEEP]
+    return [
+        ("preempt", workload, seed, policy, n)
+        for group in groups
+        for workload in WORKLOADS
+        for seed in range(1, seeds + 1)
+        for policy, n in group
+    ]
+
+
+async def run_all(
+    seeds: int, policies: tuple[str, ...], setup: efficacy.Setup, scratch: Path
+) -> list[dict[str, Any]]:
+    """Every run against real vLLM servers, one configuration at a time."""
+    host = VllmHost(scratch)
+    runs: list[dict[str, Any]] = []
+    try:
+        for mode, workload, seed, policy, seqs in traffic_runs(seeds, policies):
+            got, _ = await efficacy.measure(
+                workload, seed, policy, mode=mode, setup=setup, max_num_seqs=seqs, host=host
+            )
+            runs.extend(r for r in got if r["policy"] in policies)
+            efficacy.progress(got[0])
     finally:
-        stop.set()
-        await sampler
-        await shaping.close()
-        await probe.close()
-    run = run_from(
-        report, trace, engine="vllm-cpu", pattern=pattern, seed=seed, policy=policy, mode="preempt"
-    )
-    return finish(run, shaping, traces, began)
-
-
-async def run_all(seeds: int, pattern_s: float, grace_s: float, scratch: Path) -> list[Run]:
-    """Every pattern x seed x policy against one vLLM; then the static limit on a second."""
-    from tests.real.vllm_engine import running_vllm  # noqa: PLC0415 - the tests' engine helper
-
-    runs: list[Run] = []
-    servers = (
-        (POLICIES, VLLM_ARGS),
-        (("static_limit",), ("--max-num-seqs", str(STATIC_MAX_NUM_SEQS))),
-    )
-    for policies, args in servers:
-        with running_vllm(scratch / args[1], dev_mode=True, extra_args=args) as server:
-            for pattern in PATTERNS:
-                for seed in range(1, seeds + 1):
-                    for policy in policies:
-                        got = await measure(
-                            server.url,
-                            pattern,
-                            seed,
-                            "none" if policy == "static_limit" else policy,
-                            pattern_s=pattern_s,
-                            grace_s=grace_s,
-                        )
-                        if policy == "static_limit":
-                            # The engine's own cap is the policy: nothing in front of it.
-                            got = [replace(got[0], policy="static_limit")]
-                        runs.extend(got)
-                        _progress(got[0])
+        host.close()
     return runs
 
 
-def _progress(r: Run) -> None:
-    print(  # noqa: T201 - a long run's progress
-        f"vllm-cpu {r.pattern:<13} seed {r.seed} {r.policy:<17}"
-        f" preemptions {r.preemptions:>4} goodput {r.goodput:>4}/{r.sent:<4}"
-        f" shed {r.shed_fraction:.0%} critical lost {r.critical_lost} ({r.wall_s:.0f} s)",
-        flush=True,
+def run(
+    *,
+    seeds: int = 2,
+    pattern_s: float = PATTERN_S,
+    policies: tuple[str, ...] = POLICIES,
+    out_dir: Path = RESULTS,
+) -> dict[str, Any]:
+    """Run it and write ``efficacy_vllm.json``."""
+    setup = replace(SETUP, pattern_s=pattern_s)
+    plan = efficacy.Plan(
+        workloads=WORKLOADS,
+        modes=("preempt",),
+        policies=policies,
+        seeds=seeds,
+        static_sweep=STATIC_SWEEP,
+        setup=setup,
     )
-
-
-def run(*, seeds: int = 3, pattern_s: float = PATTERN_S, out_dir: Path = RESULTS) -> dict[str, Any]:
-    """Run it and write ``efficacy_vllm.json`` and ``efficacy_vllm_summary.json``."""
-    began = time.monotonic()
-    info = machine()
-    with tempfile.TemporaryDirectory(prefix="kvguard-vllm-bench-") as scratch:
-        runs = asyncio.run(run_all(seeds, pattern_s, GRACE_S, Path(scratch)))
-    summary = summarize(runs)
-    doc = {
-        "machine": info,
-        "settings": {
-            "engine": "vLLM for CPU, tiny random-weight Llama (scripts/real-engines.sh)",
-            "pool": {
-                "kv_capacity_tokens": 1920,
-                "max_model_len": 512,
-                "max_num_seqs": MAX_NUM_SEQS,
-            },
-            "patterns": list(PATTERNS),
-            "seeds": seeds,
-            "pattern_s": pattern_s,
-            "grace_s": GRACE_S,
-            "load": asdict(VLLM_LOAD),
-        },
-        "wall_s": round(time.monotonic() - began, 1),
-        "summary": summary,
-        "targets": targets(summary),
+    settings = plan.settings()
+    settings["engine"] = (
+        "vLLM for CPU, tiny random-weight Llama (scripts/real-engines.sh install vllm),"
+        " `--kv-cache-memory-bytes` 2 MiB"
+    )
+    settings["pool"] = {
+        "kv_capacity_tokens": 1920,
+        "block_size": 128,
+        "max_model_len": 512,
+        "max_num_seqs": MAX_NUM_SEQS,
+        "max_num_batched_tokens": "vLLM's default",
     }
+    settings.pop("time_model", None)
+    meta: dict[str, Any] = {
+        **efficacy.commit(),
+        "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "machine": efficacy.machine(),
+        "loadavg_at_start": list(os.getloadavg()),
+        "command": " ".join(["python -m bench.efficacy_vllm", *sys.argv[1:]]),
+        "settings": settings,
+    }
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvguard-vllm-bench-") as scratch:
+        runs = asyncio.run(run_all(seeds, policies, setup, Path(scratch)))
+    meta["wall_s"] = round(time.monotonic() - began, 1)
+    meta["loadavg_at_end"] = list(os.getloadavg())
+    doc = {"meta": meta, "runs": runs, "summary": summarize(runs)}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "efficacy_vllm.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
-    (out_dir / "efficacy_vllm_summary.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out_dir / "efficacy_vllm.json").write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
 
 def main() -> None:
     """``python -m bench.efficacy_vllm``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--pattern-s", type=float, default=PATTERN_S)
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     configure_logging("error", "json")
@@ -221,12 +246,12 @@ def main() -> None:
     if not READY.is_file():
         print(f"vLLM (CPU) is not installed: {INSTALL_HINT}", file=sys.stderr)  # noqa: T201
         raise SystemExit(2)
-    doc = run(seeds=args.seeds, pattern_s=args.pattern_s, out_dir=args.out_dir)
-    for check in doc["targets"]:
-        print(  # noqa: T201 - the benchmark's report
-            f"{'met ' if check['met'] else 'MISS'} {check['pattern']:<13}"
-            f" {check['policy']:<17} {check['target']}: {check['detail']}"
-        )
+    run(
+        seeds=args.seeds,
+        pattern_s=args.pattern_s,
+        policies=tuple(args.policies),
+        out_dir=args.out_dir,
+    )
 
 
 if __name__ == "__main__":
