@@ -1,6 +1,6 @@
-"""Helpers the tests share: a free loopback port, and a polling wait.
+"""Helpers the tests share: a free loopback port, a polling wait, strict JSON.
 
-Import them as ``from tests.helpers import free_port, until`` (the editable install
+Import them as ``from tests.helpers import free_port, strict_json, until`` (the editable install
 puts the repository root on ``sys.path``, so ``tests`` imports as a package).
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import socket
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -72,3 +73,12 @@ def _describe(condition: Callable[..., object]) -> str:
     except (OSError, TypeError):
         return name
     return " ".join(line.strip() for line in lines)
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON: a strict parser (Loki, Vector) drops the line")
+
+
+def strict_json(line: str | bytes) -> object:
+    """One line parsed as strict JSON: ``NaN``/``Infinity`` refused, as log shippers do."""
+    return json.loads(line, parse_constant=_no_constant)

@@ -25,7 +25,7 @@ from kvguard.runtime.assembly import listen
 from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.probing import Probes
 from kvguard.testing import FakeGpu, FakeNvml
-from tests.helpers import free_port
+from tests.helpers import free_port, strict_json
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 
@@ -435,7 +435,7 @@ async def read_log(proc: asyncio.subprocess.Process, until: str, timeout: float 
         while not events or events[-1]["event"] != until:
             line = await proc.stderr.readline()
             assert line, f"kvguard exited before {until!r}: {events}"
-            events.append(json.loads(line))
+            events.append(strict_json(line))
     return events
 
 
@@ -477,3 +477,18 @@ async def test_run_logs_exposed_secret_files_and_strict_reload_refuses_them(sim_
     finally:
         proc.terminate()
         assert await proc.wait() == 0
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`kvguard budget --json | head -c 1`: exit 141 (SIGPIPE's code), nothing on stderr."""
+    reader = subprocess.Popen(
+        [KVGUARD, "budget", "llama-3.1-70b", "--gpu", "H100-80GB", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert reader.stdout is not None
+    reader.stdout.close()  # the reader is gone before the first byte
+    _, err = reader.communicate(timeout=30)
+    assert reader.returncode == 141, err
+    assert b"Traceback" not in err
+    assert b"BrokenPipeError" not in err

@@ -15,12 +15,17 @@ import logging
 import signal
 from collections.abc import Callable, Iterator
 
+import aiohttp
 import pytest
 import structlog
 from aiohttp.http_exceptions import BadStatusLine
 
 from kvguard.api.logs import StdlibBridge, configure_logging
-from tests.helpers import free_port
+from kvguard.config.settings import parse_config
+from kvguard.probes.engine import EngineProbe
+from kvguard.runtime.assembly import build_guard
+from kvguard.runtime.probing import Probes
+from tests.helpers import free_port, strict_json
 from tests.test_run import KVGUARD, read_events
 
 SECRET = "sk-planted-flood-5151"
@@ -87,7 +92,7 @@ async def test_a_flood_of_malformed_requests_costs_a_few_json_lines(sim_engine, 
     text = rest.decode()
     assert "Traceback" not in text
     assert SECRET not in text
-    events = [json.loads(line) for line in text.splitlines()]  # every line is JSON
+    events = [strict_json(line) for line in text.splitlines()]  # every line is strict JSON
     assert all(isinstance(event, dict) for event in events)
     rejected = [e for e in events if e["event"] == "http_request_rejected"]
     # One line per cause: a call site of aiohttp's and an error type (both ports share them).
@@ -114,7 +119,7 @@ def log_to() -> Iterator[Callable[[str], Callable[[], list[dict]]]]:
     def start(min_level: str) -> Callable[[], list[dict]]:
         configure_logging(min_level, "json")
         structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=buffer))
-        return lambda: [json.loads(line) for line in buffer.getvalue().splitlines()]
+        return lambda: [strict_json(line) for line in buffer.getvalue().splitlines()]
 
     yield start
     for handler in [h for h in root.handlers if isinstance(h, StdlibBridge)]:
@@ -218,3 +223,62 @@ def test_reconfiguring_keeps_one_bridge_and_its_limits(log_to):
     for _ in range(5):
         refuse()
     assert len(buffer.getvalue().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ strict JSON, levels
+def test_non_finite_numbers_are_written_as_null(log_to):
+    """Infinity and NaN, at the top or nested, become null: every line parses strictly."""
+    events = log_to("info")
+    structlog.get_logger("kvguard.test").warning(
+        "forecast",
+        time_to_exhaustion_s=float("inf"),
+        signals={"kv_demand": float("nan"), "spans": [1.5, float("-inf")]},
+        kv_usage=0.5,
+    )
+    (event,) = events()
+    assert event["time_to_exhaustion_s"] is None
+    assert event["signals"] == {"kv_demand": None, "spans": [1.5, None]}
+    assert event["kv_usage"] == 0.5
+    assert event["level"] == "warning"
+
+
+async def test_level_changes_and_decisions_keep_the_pressure_level_apart(log_to, sim_server):
+    """A real daemon entering `elevated`: from_level/to_level and pressure_level, severity kept."""
+    events = log_to("info")
+    server = await sim_server(kv_capacity_tokens=4096, max_model_len=2048, per_token_s=0.001)
+    config = parse_config(
+        {
+            "engine": {"url": server.url, "kind": "vllm"},
+            # Any use of the cache is pressure here, so one request changes the level.
+            "policy": {"confirm_ticks": 1, "elevated": {"kv_usage": 0.001}},
+        },
+        env={},
+    )
+    guard = build_guard(
+        config, probes=Probes(EngineProbe(server.url), nvml=None, host=None), serve_api=False
+    )
+    await guard.start()
+    daemon = guard.daemon
+    try:
+        async with aiohttp.ClientSession() as http:
+            request = asyncio.ensure_future(
+                http.post(
+                    f"{server.url}/v1/completions",
+                    json={"prompt": "word " * 200, "max_tokens": 400},
+                )
+            )
+            for _ in range(200):
+                await daemon.tick()
+                if daemon.brain.decision and daemon.brain.decision.level != "ok":
+                    break
+                await asyncio.sleep(0.01)
+            (await request).close()
+    finally:
+        await guard.close()
+    logged = events()
+    (change, *_) = [e for e in logged if e["event"] == "pressure_level_changed"]
+    assert (change["from_level"], change["to_level"]) == ("ok", "elevated")
+    assert change["level"] == "warning"  # the line's severity, not kvguard's pressure
+    decisions = [e for e in logged if e["event"] == "decision"]
+    assert decisions, [e["event"] for e in logged]
+    assert all(e["pressure_level"] == "elevated" and e["level"] == "warning" for e in decisions)

@@ -27,7 +27,7 @@ from kvguard.probes.nvml import GpuSelector, NvmlProbe
 from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.probing import Probes
 from kvguard.testing import FakeGpu, FakeNvml
-from tests.helpers import free_port, until
+from tests.helpers import free_port, strict_json, until
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 
@@ -366,7 +366,8 @@ async def read_events(
         while True:
             line = await proc.stderr.readline()
             assert line, f"process exited before {until!r}: {events}"
-            event = json.loads(line)
+            event = strict_json(line)
+            assert isinstance(event, dict), line
             events.append(event)
             if event["event"] == until:
                 return events

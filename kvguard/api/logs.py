@@ -8,11 +8,13 @@ and asyncio's) goes through it too, one line per cause per minute at most
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import structlog
@@ -28,12 +30,15 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     """
     console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
     renderer: structlog.types.Processor = (
-        structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer()
+        if console
+        else structlog.processors.JSONRenderer(serializer=strict_json)
     )
     min_level = logging.getLevelName(level.upper())
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            finite_numbers,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             renderer,
@@ -51,6 +56,39 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     # The root's level gates what reaches the bridge. aiohttp logs a malformed request
     # at ERROR, which passes any level: the bridge demotes it to debug itself.
     root.setLevel(min_level)
+
+
+def finite_numbers(
+    _logger: object, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Write non-finite numbers as null: ``Infinity`` and ``NaN`` are not JSON.
+
+    Log shippers parse strictly (Loki, Vector, Elasticsearch): one
+    ``"time_to_exhaustion_s": Infinity`` and the line is lost. A time that never comes is
+    null, its unit stays in the key's name.
+    """
+    for key, value in event_dict.items():
+        event_dict[key] = _finite(value)
+    return event_dict
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def strict_json(obj: object, **kwargs: Any) -> str:  # noqa: ANN401 - json.dumps' own options
+    """``json.dumps`` that refuses non-finite numbers (strict JSON, as shippers parse it).
+
+    :func:`finite_numbers` runs first, so this only fails if a value escaped it: a loud
+    error in the tests rather than a line every strict parser drops.
+    """
+    return json.dumps(obj, allow_nan=False, **kwargs)
 
 
 # One line per cause per window at most; the next line of a cause after its window

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -34,6 +35,7 @@ from kvguard.errors import ConfigError, InvalidInputError, KvguardError
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head`
 
 # Input fields whose CLI flag is not simply the field name with dashes.
 _FLAG_OF_FIELD = {"gpu_memory_bytes": "--gpu-memory"}
@@ -201,7 +203,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_BAD_INPUT
     try:
-        return int(args.handler(args))
+        code = int(args.handler(args))
+        sys.stdout.flush()  # inside the try: a reader that went away is seen here
+    except BrokenPipeError:
+        # `kvguard probe --json | head`: the reader has what it wanted. Stop quietly,
+        # with stdout pointed at /dev/null so the flush at exit cannot fail again.
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except InvalidInputError as exc:
         print(
             f"kvguard {args.command}: error: {_flag(exc.field)}: {exc.allowed}, got {exc.value!r}",
@@ -212,7 +220,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kvguard {args.command}: error: {exc.source}: {line}", file=sys.stderr)
     except KvguardError as exc:
         print(f"kvguard {args.command}: error: {exc}", file=sys.stderr)
+    else:
+        return code
     return EXIT_BAD_INPUT
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null (its reader is gone): nothing more to write, no error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (an embedding program)
+        pass
 
 
 if __name__ == "__main__":

@@ -315,10 +315,11 @@ class Brain:
         )
         self.decisions.append(record)
         if decision.level != decision.previous_level:
+            # `from_level`/`to_level`, never `level`: that key is the log line's severity.
             log.warning(
                 "pressure_level_changed",
-                previous=decision.previous_level,
-                level=decision.level,
+                from_level=decision.previous_level,
+                to_level=decision.level,
                 pattern=decision.pattern,
                 crossed=list(decision.crossed),
                 **signals,
@@ -346,5 +347,8 @@ class Brain:
                 "crossed": list(decision.crossed),
                 **action_dict(action),
             }
-            log.warning("decision", **fields)
+            # The webhook keeps `level` (its documented payload); the log line names it
+            # `pressure_level`, since its own `level` is the severity.
+            log_fields = {k: v for k, v in fields.items() if k != "level"}
+            log.warning("decision", pressure_level=decision.level, **log_fields)
             self.on_event("action", fields)

@@ -36,7 +36,7 @@ from kvguard.probes.engine import EngineProbe
 from kvguard.runtime.assembly import Guard
 from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.probing import Probes
-from tests.helpers import free_port, until
+from tests.helpers import free_port, strict_json, until
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 
@@ -57,7 +57,7 @@ async def read_events(proc: asyncio.subprocess.Process, until: str, timeout: flo
             assert line, f"process exited before {until!r}: {events}"
             if not line.startswith(b"{"):
                 continue  # a supervised engine's own output
-            events.append(json.loads(line))
+            events.append(strict_json(line))
             if events[-1]["event"] == until:
                 return events
 

@@ -253,7 +253,10 @@ class Admission:
         # One line per shed request would flood the log in a burst: debug level;
         # kvguard_requests_shed_total and the `decision` event tell the story.
         log.debug(
-            "request_shed", request_id=request_id, priority=priority, level=self.mitigations.level
+            "request_shed",
+            request_id=request_id,
+            priority=priority,
+            pressure_level=self.mitigations.level,
         )
         return _error(
             503,
