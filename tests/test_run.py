@@ -195,6 +195,8 @@ async def test_api_endpoints_tell_the_truth(watched):
     assert doc["budget"]["kv_bytes_per_token"] == 131_072
     assert doc["sources"]["engine"]["ok"] is True
     assert doc["config"]["engine"]["token"] is None
+    # The level holds since kvguard's first tick, never longer than kvguard has run.
+    assert 0 <= doc["pressure"]["level_for_s"] <= doc["uptime_s"]
 
 
 async def test_metrics_negotiate_openmetrics_and_gzip(watched):

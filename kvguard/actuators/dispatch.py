@@ -43,6 +43,11 @@ from kvguard.actuators.reconfigure import Reconfigurer
 from kvguard.actuators.state import EnginePauseRecord
 from kvguard.core.policy import Action
 
+# Why the fp8 switch is off at the defaults: an opt-in the operator has not taken, not a
+# fault (the ladder says it at info, not as a warning).
+NO_RESTART_CONFIGURED = (
+    'no way to restart the engine: set [reconfigure] mode, or run it as "-- <command>"'
+)
 log = structlog.get_logger("kvguard.actuators")
 _PAUSE_TASK = "engine_pause"  # the one task that pauses and resumes the engine
 EventSink = Callable[[str, dict[str, Any]], None]
@@ -167,9 +172,7 @@ class Actuators:
             )
         reconfigurer = self.reconfigurer
         if reconfigurer is None:
-            return (
-                'no way to restart the engine: set [reconfigure] mode, or run it as "-- <command>"'
-            )
+            return NO_RESTART_CONFIGURED
         if reconfigurer.original_8bit:
             return "the engine already starts with an 8-bit KV cache"
         if not reconfigurer.drain.can_stop_admitting():

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import structlog
 
+from kvguard.actuators.dispatch import NO_RESTART_CONFIGURED
 from kvguard.actuators.mitigations import ASYNC_ACTIONS, Mitigations, Outcome
 from kvguard.config.settings import Config
 from kvguard.core.forecast import Forecast, forecast
@@ -154,6 +155,10 @@ class Brain:
         while self.samples and snapshot.taken_at - self.samples[0].t > keep:
             self.samples.popleft()
         samples = tuple(self.samples)
+        if self.decision is None:
+            # The level holds since kvguard's first tick, not since the clock's epoch
+            # (the host's boot, for a monotonic clock): /status's level_for_s.
+            self.guard = replace(self.guard, level_since=snapshot.taken_at)
         self.forecast = forecast(samples, config.forecast)
         self.pattern = classify(samples, PatternThresholds(window_s=config.pattern_window_s))
         decision = decide(
@@ -171,7 +176,10 @@ class Brain:
         policy = self.config.policy
         for kind, why in self.unavailable.items():
             if self._said_unavailable.get(kind) != why:
-                log.warning("action_unavailable", action=kind, reason=why, falls_through=True)
+                # An opt-in left off (no restart configured for the fp8 switch) is how
+                # every default start looks: said, not warned.
+                say = log.info if why == NO_RESTART_CONFIGURED else log.warning
+                say("action_unavailable", action=kind, reason=why, falls_through=True)
         self._said_unavailable = dict(self.unavailable)
         if not self.unavailable:
             return policy

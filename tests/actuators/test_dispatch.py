@@ -398,3 +398,25 @@ async def test_the_daemon_sends_level_changes_and_actions_to_webhooks(sim_server
     assert actuators.kind == "vllm"
     # No restart mode: the fp8 switch is unavailable, and the ladder says why.
     assert "[reconfigure] mode" in daemon.brain.unavailable["kv_fp8"]
+
+
+async def test_an_opt_in_left_off_is_said_at_info_not_warned(sim_engine):
+    """A default start (no restart configured): the fp8 switch's absence is info, not a warning."""
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    config = parse_config({"engine": {"url": url, "kind": "vllm"}}, env={})
+    guard = build_guard(
+        config, probes=Probes(EngineProbe(url), nvml=None, host=None), serve_api=False
+    )
+    daemon, actuators = guard.daemon, guard.daemon.actuators
+    assert actuators is not None
+    try:
+        with capture_logs() as logs:
+            await daemon.tick()
+            await daemon.tick()
+    finally:
+        await actuators.close()
+        await daemon.close()
+    said = {e["action"]: e["log_level"] for e in logs if e["event"] == "action_unavailable"}
+    assert said.get("kv_fp8") == "info"
+    assert said.get("revert_kv_fp8") == "info"
+    assert not [e for e in logs if e["log_level"] == "warning"], logs
