@@ -332,6 +332,29 @@ async def test_a_good_reload_keeps_error_counts():
     await daemon.close()
 
 
+async def test_a_reload_names_what_needs_a_restart_and_keeps_it_in_force():
+    """A new [server] listen or [proxy] is named, and the config keeps what really runs."""
+    daemon, _, _ = make()
+    before = daemon.config
+    new = parse_config(
+        {
+            "engine": {"url": "http://127.0.0.1:1"},
+            "poll": {"timeout_s": 0.3},
+            "server": {"listen": "127.0.0.1:19999"},
+            "proxy": {"enabled": True, "listen": "127.0.0.1:19998"},
+        },
+        env={},
+    )
+    with capture_logs() as logs:
+        daemon.reload(new)
+    (said,) = [e for e in logs if e["event"] == "reload_needs_restart"]
+    assert said["sections"] == ["proxy", "server.listen"]
+    assert daemon.config.server.listen == before.server.listen  # what still listens
+    assert daemon.config.proxy == before.proxy
+    assert daemon.config.poll.timeout_s == 0.3  # what a reload does apply, applied
+    await daemon.close()
+
+
 async def test_a_probe_bug_is_a_failed_read_not_a_dead_loop():
     """An unexpected exception from a probe is counted as a failure; the tick completes."""
     daemon, probes, _ = make()

@@ -344,11 +344,21 @@ class Daemon(BudgetKeeping):
                 ("webhook.secret", old.webhook.secret, config.webhook.secret),
                 ("engine (admin client)", _admin_keys(old), _admin_keys(config)),
                 ("proxy", old.proxy, config.proxy),
+                ("server.listen", old.server.listen, config.server.listen),
             )
             if before != after
         ]
         if kept:
             log.warning("reload_needs_restart", sections=kept, hint="restart kvguard to apply them")
+        # What needs a restart stays as it runs, so /status (and /admit, /readyz, which
+        # read [proxy]) report what is really in force until that restart.
+        config = replace(
+            config,
+            reconfigure=old.reconfigure,
+            webhook=old.webhook,
+            proxy=old.proxy,
+            server=replace(config.server, listen=old.server.listen),
+        )
         # Nothing below raises: the swap is complete or never started.
         self.config = config
         self.brain.reconfigure(config)
