@@ -282,6 +282,35 @@ async def test_probe_command_prints_the_normalized_engine(sim_engine):
         assert engine[key] == 0, key
 
 
+async def test_probe_and_status_read_the_config_file(sim_engine, tmp_path):
+    """`probe --config` probes [engine] url; without an engine at all it is a usage error."""
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    path = tmp_path / "kvguard.toml"
+    path.write_text(f'[engine]\nurl = "{url}"\n')
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "probe", "--config", str(path), "--json", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0
+    assert json.loads(out)["engine"]["kv_capacity_blocks"] == 256
+    env = {k: v for k, v in os.environ.items() if k != "KVGUARD_CONFIG"}
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "probe", stderr=asyncio.subprocess.PIPE, env=env
+    )
+    _, err = await proc.communicate()
+    assert proc.returncode == 2
+    assert "--engine-url: needed without --config" in err.decode()
+    # status finds kvguard where the config says it listens (nothing there: exit 1).
+    port = free_port()
+    path.write_text(f'[engine]\nurl = "{url}"\n[server]\nlisten = "0.0.0.0:{port}"\n')
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "status", "--config", str(path), stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await proc.communicate()
+    assert proc.returncode == 1
+    assert f"cannot read http://127.0.0.1:{port}/status" in err.decode()
+
+
 async def test_probe_command_exits_1_when_the_engine_is_unreachable():
     """An unreachable engine is reported, with exit code 1."""
     proc = await asyncio.create_subprocess_exec(
@@ -409,17 +438,59 @@ async def test_status_watch_redraws_until_interrupted(watched):
 
 
 async def test_status_says_when_kvguard_is_not_there():
-    """An unreachable kvguard is one error line and exit 2."""
+    """An unreachable kvguard is one plain error line and exit 1 (2 is for usage)."""
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        KVGUARD,
-        "status",
-        "--url",
-        f"http://127.0.0.1:{free_port()}",
-        stderr=asyncio.subprocess.PIPE,
+        KVGUARD, "status", "--url", f"127.0.0.1:{port}/", stderr=asyncio.subprocess.PIPE
     )
     _, err = await proc.communicate()
-    assert proc.returncode == 2
-    assert err.decode().startswith("kvguard status: error: cannot read http://127.0.0.1:")
+    assert proc.returncode == 1
+    text = err.decode()
+    assert text.startswith(f"kvguard status: cannot read http://127.0.0.1:{port}/status:")
+    assert "nothing answers there" in text
+    assert "ssl:default" not in text
+
+
+async def test_status_shows_the_pressure_and_takes_a_bare_address(watched):
+    """One kvguard: level, exhaustion, binding resource, pattern, mitigations, last decision."""
+    _, daemon, url = watched
+    await daemon.tick()
+    bare = url.removeprefix("http://") + "/"
+    proc = await asyncio.create_subprocess_exec(
+        KVGUARD, "status", "--url", bare, "--url", url, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0
+    text = out.decode()
+    assert text.startswith("kvguard ")  # one kvguard (both spellings), not a fleet table
+    (pressure,) = [line for line in text.splitlines() if line.startswith("Pressure ")]
+    assert pressure.startswith("Pressure ok for ")
+    assert "exhausts " in pressure
+    assert "binding " in pressure
+    assert "pattern " in pressure
+    assert "Active   no mitigation in force" in text
+
+
+async def test_status_watch_keeps_going_while_kvguard_is_away():
+    """--watch on an address nothing answers: it redraws "unreachable since", never exits."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            KVGUARD,
+            *("status", "--url", f"127.0.0.1:{free_port()}", "--watch", "--interval", "0.05"),
+            stdout=asyncio.subprocess.PIPE,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert proc.stdout is not None
+    seen = b""
+    async with asyncio.timeout(15):
+        while seen.count(b"unreachable since") < 3:
+            seen += await proc.stdout.read(4096)
+    assert proc.returncode is None  # still running after three failed reads
+    proc.send_signal(signal.SIGINT)
+    await asyncio.wait_for(proc.communicate(), 10)
+    assert proc.returncode == 1  # the last read failed
 
 
 @pytest.fixture

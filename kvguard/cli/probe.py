@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from dataclasses import asdict
+import os
+from dataclasses import asdict, replace
 from typing import Any
 
 from kvguard.api.logs import configure_logging
-from kvguard.config.settings import config_for_engine
+from kvguard.config.settings import CONFIG_ENV, Config, config_for_engine, load_config
 from kvguard.core.snapshot import ENGINE_KINDS, EngineStats
 from kvguard.core.units import format_bytes
+from kvguard.errors import InvalidInputError
 from kvguard.runtime.daemon import Daemon
 
 # What `kvguard probe --json` always reports about the engine, null when unknown.
@@ -23,10 +25,23 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     probe = commands.add_parser(
         "probe",
         help="read an engine, the GPUs and the host once and print what kvguard sees",
-        description="Read every probe once against --engine-url (exit 1: engine unreachable).",
+        description="Read every probe once against the engine (exit 1: engine unreachable,"
+        " 2: usage).",
     )
-    probe.add_argument("--engine-url", required=True, metavar="URL", help="the engine's base URL")
-    probe.add_argument("--engine-kind", default="auto", choices=("auto", *ENGINE_KINDS))
+    probe.add_argument(
+        "--engine-url",
+        metavar="URL",
+        help="the engine's base URL, the scheme optional (default: [engine] url of --config)",
+    )
+    probe.add_argument(
+        "--config",
+        metavar="FILE",
+        help="probe as this config says ([engine], [gpu], [poll]; default: $KVGUARD_CONFIG"
+        " when set)",
+    )
+    probe.add_argument(
+        "--engine-kind", default=None, choices=("auto", *ENGINE_KINDS), help="default: auto"
+    )
     probe.add_argument("--json", action="store_true", help="print one JSON object")
     probe.set_defaults(handler=run_probe)
 
@@ -34,7 +49,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
 def run_probe(args: argparse.Namespace) -> int:
     """One tick against --engine-url, printed."""
     configure_logging("error", "auto")
-    config = config_for_engine(args.engine_url, args.engine_kind)
+    config = _config(args)
 
     async def once() -> dict[str, Any]:
         daemon = Daemon(config)
@@ -50,6 +65,26 @@ def run_probe(args: argparse.Namespace) -> int:
     else:
         print(render_probe(document))
     return 0 if document["sources"]["engine"]["ok"] else 1
+
+
+def _config(args: argparse.Namespace) -> Config:
+    """What to probe: --engine-url alone, or a config file with --engine-url on top."""
+    url = args.engine_url
+    if url is not None and "://" not in url:
+        url = "http://" + url
+    if args.config is None and not os.environ.get(CONFIG_ENV):
+        if url is None:
+            raise InvalidInputError(
+                "--engine-url", None, "needed without --config (or $KVGUARD_CONFIG)"
+            )
+        return config_for_engine(url, args.engine_kind or "auto")
+    config = load_config(args.config)
+    engine = config.engine
+    if url is not None:
+        engine = replace(engine, url=config_for_engine(url).engine.url)  # checked as --config's
+    if args.engine_kind is not None:
+        engine = replace(engine, kind=args.engine_kind)
+    return replace(config, engine=engine)
 
 
 def probe_document(daemon: Daemon) -> dict[str, Any]:

@@ -7,13 +7,16 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
 
 from kvguard.cli.probe import fmt_value, gpu_line, source_state
+from kvguard.config.settings import CONFIG_ENV, load_config
 from kvguard.core.bars import text_bar
 from kvguard.core.units import format_bytes
 from kvguard.errors import KvguardError
@@ -27,7 +30,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         "status",
         help="show a running kvguard's /status (live with --watch)",
         description="Read /status from a running kvguard and show it; from several, one line"
-        " per engine, worst first (exit 1 when one cannot be read).",
+        " per engine, worst first. Exit 0: read; 1: a kvguard could not be read; 2: usage.",
     )
     status.add_argument(
         "--url",
@@ -35,8 +38,15 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         nargs="+",
         action="extend",
         metavar="URL",
-        help=f"kvguard's address (default {DEFAULT_STATUS_URL}); several (--url A B, or"
-        " --url repeated): one line per engine, worst first",
+        help="kvguard's address, the scheme optional (default: [server] listen of --config,"
+        f" else {DEFAULT_STATUS_URL}); several (--url A B, or --url repeated): one line per"
+        " engine, worst first",
+    )
+    status.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read kvguard's address from this config's [server] listen (default:"
+        " $KVGUARD_CONFIG when set)",
     )
     status.add_argument("--watch", action="store_true", help="refresh until interrupted")
     status.add_argument(
@@ -50,14 +60,28 @@ STATUS_TIMEOUT_S = 5.0
 LEVEL_RANKS = {"ok": 0, "elevated": 1, "high": 2, "critical": 3}
 
 
+def normalize_url(url: str) -> str:
+    """One spelling per kvguard: ``127.0.0.1:9108`` gets ``http://``, a trailing ``/`` goes."""
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    return url.rstrip("/")
+
+
 def run_status(args: argparse.Namespace) -> int:
-    """Print /status once, or refresh it until interrupted; several URLs: the fleet view."""
-    urls: list[str] = list(dict.fromkeys(args.urls or [DEFAULT_STATUS_URL]))
+    """Print /status once, or refresh it until interrupted; several URLs: the fleet view.
+
+    Exit 0 when every kvguard was read, 1 when one could not be (unreachable, or not a
+    kvguard), 2 for a usage error. ``--watch`` keeps going through failed reads (a
+    kvguard restarting), saying since when it is unreachable.
+    """
+    urls: list[str] = list(dict.fromkeys(normalize_url(u) for u in args.urls or [_own_url(args)]))
     fleet = len(urls) > 1
     code = 0
+    unreachable_since: float | None = None
 
     async def main() -> None:
-        nonlocal code
+        nonlocal code, unreachable_since
         async with aiohttp.ClientSession() as session:
             while True:
                 if fleet:
@@ -69,8 +93,20 @@ def run_status(args: argparse.Namespace) -> int:
                         else render_fleet(rows)
                     )
                 else:
-                    doc = await fetch_status(session, urls[0])
-                    text = json.dumps(doc, indent=2) if args.json else render_status(doc)
+                    try:
+                        doc = await fetch_status(session, urls[0])
+                    except KvguardError as exc:
+                        code = 1
+                        if not args.watch:
+                            print(f"kvguard status: {exc}", file=sys.stderr)
+                            return
+                        now = time.time()
+                        unreachable_since = unreachable_since or now
+                        since = time.strftime("%H:%M:%S", time.localtime(unreachable_since))
+                        text = f"{urls[0]}: unreachable since {since} ({exc})"
+                    else:
+                        code, unreachable_since = 0, None
+                        text = json.dumps(doc, indent=2) if args.json else render_status(doc)
                 if args.watch:
                     sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")  # home + clear: redraw in place
                     sys.stdout.flush()
@@ -84,15 +120,28 @@ def run_status(args: argparse.Namespace) -> int:
     return code
 
 
+def _own_url(args: argparse.Namespace) -> str:
+    """Where this host's kvguard listens: --config's (or $KVGUARD_CONFIG's) [server] listen."""
+    if args.config is None and not os.environ.get(CONFIG_ENV):
+        return DEFAULT_STATUS_URL
+    server = load_config(args.config).server
+    # A wildcard address listens on loopback too; a literal IPv6 needs its brackets.
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(server.host, server.host)  # noqa: S104
+    return f"http://{f'[{host}]' if ':' in host else host}:{server.port}"
+
+
 async def fetch_status(session: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
     """GET ``base_url``/status; any failure is one :class:`KvguardError` naming the URL."""
-    url = base_url.rstrip("/") + "/status"
+    url = normalize_url(base_url) + "/status"
     try:
         timeout = aiohttp.ClientTimeout(total=STATUS_TIMEOUT_S)
         async with session.get(url, timeout=timeout) as resp:
             resp.raise_for_status()
             data: dict[str, Any] = await resp.json()
             return data
+    except aiohttp.ClientConnectorError as exc:
+        # Not aiohttp's "Cannot connect to host … ssl:default [Connect call failed …]".
+        raise KvguardError(f"cannot read {url}: nothing answers there ({exc.strerror})") from exc
     except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
         raise KvguardError(f"cannot read {url}: {exc or type(exc).__name__}") from exc
 
@@ -286,6 +335,7 @@ def render_status(doc: dict[str, Any]) -> str:
         f"  preemptions {fmt_value(engine.get('preemptions_total'))}"
     )
     lines += [gpu_line(gpu) for gpu in doc.get("gpus") or []]
+    lines += pressure_lines(doc)
     budget = doc.get("budget")
     if budget:
         verdict = "fits" if budget["fits"] else "DOES NOT FIT"
@@ -305,3 +355,48 @@ def render_status(doc: dict[str, Any]) -> str:
         state = source_state(source)
         lines.append(f"Source   {name:<7} {state}{'' if age is None else f'  ({age:.1f} s old)'}")
     return "\n".join(lines)
+
+
+def pressure_lines(doc: dict[str, Any]) -> list[str]:
+    """Level, exhaustion forecast, binding resource, pattern, mitigations, last decision."""
+    pressure = doc.get("pressure")
+    if not pressure:
+        return ["Pressure (no decision yet)"]
+    row = fleet_row("", doc)
+    tte = row.time_to_exhaustion_s
+    if tte is None:
+        exhausts = "unknown"
+    elif math.isinf(tte):
+        exhausts = "not rising"
+    else:
+        exhausts = f"in {math.floor(tte)} s"
+    binding = row.exhausting or "none rising"
+    lines = [
+        f"Pressure {pressure['level']} for {pressure.get('level_for_s', 0):.0f} s"
+        f"  exhausts {exhausts}  binding {binding}"
+        f"  pattern {pressure.get('pattern', 'unknown')}"
+        f"{'  (dry run: decides, acts on nothing)' if pressure.get('mode') == 'dry_run' else ''}",
+    ]
+    active = pressure.get("active") or []
+    lines.append(
+        "Active   "
+        + (", ".join(_action_text(a) for a in active) if active else "no mitigation in force")
+    )
+    decisions = pressure.get("decisions") or []
+    if decisions:
+        last = decisions[0]
+        reasons = "; ".join(str(a.get("reason", a.get("kind"))) for a in last.get("actions") or [])
+        crossed = ", ".join(last.get("crossed") or []) or "nothing crossed"
+        lines.append(
+            f"Last     {last.get('previous_level')} -> {last.get('level')}: {crossed}"
+            + (f"; {reasons}" if reasons else "")
+        )
+    return lines
+
+
+def _action_text(action: dict[str, Any]) -> str:
+    text = str(action.get("kind"))
+    for key in ("priority", "max_prompt_tokens", "max_tokens", "target"):
+        if action.get(key) is not None:
+            text += f" {key}={action[key]}"
+    return text
