@@ -414,8 +414,9 @@ def test_check_config_warns_of_secret_files_others_can_read(tmp_path, capsys):
 def test_strict_secrets_refuses_every_exposed_file(tmp_path, capsys):
     """check-config and run with --strict-secrets: exit 2, one error per file, nothing started."""
     path = secret_config(tmp_path, token_mode=0o644, hook_mode=0o644)
-    for command in (["check-config", str(path)], ["run", "--config", str(path)]):
-        assert main([*command, "--strict-secrets"]) == EXIT_BAD_INPUT
+    # check-config: an invalid config is 1; run: it cannot start, a usage-level error.
+    for command, code in ((["check-config", str(path)], 1), (["run", "--config", str(path)], 2)):
+        assert main([*command, "--strict-secrets"]) == code
         out, err = capsys.readouterr()
         assert out == ""
         name = command[0]

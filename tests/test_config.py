@@ -6,9 +6,11 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from kvguard.config.secrets import CONTROL_TOKEN_ENV, TOKEN_ENV, Secret
 from kvguard.config.settings import CONFIG_ENV, exposed_secrets, load_config, parse_config
@@ -143,7 +145,7 @@ def test_check_config_cli_lists_every_problem(tmp_path):
     result = subprocess.run(
         [KVGUARD, "check-config", str(bad)], capture_output=True, text=True, check=False
     )
-    assert result.returncode == 2
+    assert result.returncode == 1  # an invalid config; 2 is a usage error
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 3
     assert all(line.startswith(f"kvguard check-config: error: {bad}: ") for line in lines)
@@ -151,7 +153,52 @@ def test_check_config_cli_lists_every_problem(tmp_path):
     ok = subprocess.run(
         [KVGUARD, "check-config", str(EXAMPLE)], capture_output=True, text=True, check=True
     )
-    assert ok.stdout.startswith(f"{EXAMPLE}: OK")
+    assert ok.stdout.startswith(f"# {EXAMPLE}: OK")
+
+
+def test_check_config_output_reads_back_as_the_same_config(tmp_path):
+    """The resolved TOML (and --json) use the file's keys: fed back, the same config."""
+    source = tmp_path / "kvguard.toml"
+    source.write_text(
+        '[engine]\nurl = "http://127.0.0.1:8000"\n[model]\nconfig = "llama-3.1-8b"\n'
+        '[gpu]\nmemory = "80GiB"\n[policy]\ndry_run = true\ndisabled_actions = ["evict"]\n'
+        "[policy.high]\nkv_usage = 0.85\n[policy.cooldowns]\nshed = 7\n"
+        '[forecast]\ngpu_reserve = "1GiB"\n[pattern]\nwindow_s = 20\n'
+    )
+    original = load_config(str(source), env={})
+    for extra in ([], ["--json"]):
+        done = subprocess.run(
+            [KVGUARD, "check-config", str(source), *extra],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        data = json.loads(done.stdout) if extra else tomllib.loads(done.stdout)
+        assert parse_config(data, source=str(source), env={}) == original
+        assert data["gpu"]["memory"] == 80 * 1024**3  # the file's key, not memory_bytes
+        assert data["policy"]["disabled_actions"] == ["evict"]
+        assert data["policy"]["dry_run"] is True
+        assert data["policy"]["cooldowns"]["shed"] == 7.0
+        assert "dry_run" not in data  # no key the file would refuse
+    echoed = tmp_path / "echoed.toml"
+    echoed.write_text(
+        subprocess.run(
+            [KVGUARD, "check-config", str(source)], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    assert load_config(str(echoed), env={}) == replace(original, source=str(echoed))
+
+
+def test_check_config_reports_a_bad_model_beside_a_bad_url(tmp_path):
+    """Every problem at once: a bad URL does not hide a model that cannot be budgeted."""
+    path = tmp_path / "k.toml"
+    path.write_text('[engine]\nurl = "not a url"\n[model]\nconfig = "no-such-model"\n')
+    result = subprocess.run(
+        [KVGUARD, "check-config", str(path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 1
+    fields = [line.split(": ")[3] for line in result.stderr.splitlines()]
+    assert fields == ["engine.url", "model.config"]
 
 
 def test_check_config_validates_the_model_budget(tmp_path):
@@ -163,7 +210,7 @@ def test_check_config_validates_the_model_budget(tmp_path):
     result = subprocess.run(
         [KVGUARD, "check-config", str(path)], capture_output=True, text=True, check=False
     )
-    assert result.returncode == 2
+    assert result.returncode == 1
     assert (
         "model.config: must give a usable budget (tp: must divide num_attention_heads (32)"
         in result.stderr

@@ -488,6 +488,93 @@ class Config:
         return shown
 
 
+# Settings whose values are, or may hold, secrets: never printed as a file would take them
+# (API keys; webhook URLs, whose query may carry a token; a restart command's arguments).
+HIDDEN_SETTINGS = ("proxy.api_key_priorities", "webhook.urls", "reconfigure.command")
+
+
+def file_form(config: Config) -> dict[str, Any]:
+    """``config`` resolved, defaults included, with the keys and forms the file takes.
+
+    Written back as TOML it parses to an equal configuration: the tables and keys are the
+    file's (``[gpu] memory``, ``[policy] disabled_actions``, ``[policy.cooldowns]``,
+    ``[forecast] gpu_reserve``, ``[pattern] window_s``, ``[policy] dry_run``), sizes in
+    bytes. Settings that are unset (None) are left out, as a file leaves them out; so are
+    :data:`HIDDEN_SETTINGS` that are set (their values stay in the file they came from),
+    and secrets read from files or the environment (only the file's name is a setting).
+    """
+    out: dict[str, Any] = {}
+    for name in _TABLES:
+        section = getattr(config, name)
+        body: dict[str, Any] = {}
+        for spec in fields(section):
+            declared = setting_of(spec)
+            if declared is None or declared.parse is None:
+                continue  # a secret read at parse time, not a key of the file
+            key = declared.key or spec.name
+            value = getattr(section, spec.name)
+            if value is None or (f"{name}.{key}" in HIDDEN_SETTINGS and value):
+                continue
+            plain = _plain(value)
+            if value == spec.default and not _reads_back(declared.parse, key, plain):
+                continue  # an empty default a file cannot write ([reconfigure] command = [])
+            body[key] = plain
+        out[name] = body
+    for name, (section, key) in _OWN.items():
+        out.setdefault(section, {})[key] = _plain(getattr(config, name))
+    policy = config.policy
+    table = out.setdefault("policy", {})
+    table["disabled_actions"] = sorted(policy.disabled)
+    for key in _POLICY_TABLES["policy"]:
+        if hasattr(policy, key):  # [policy] also holds the daemon's own dry_run (above)
+            table[key] = getattr(policy, key)
+    for level in _LADDER:
+        thresholds = getattr(policy, level)
+        table[level] = {
+            key: value
+            for key in _POLICY_TABLES[f"policy.{level}"]
+            if (value := getattr(thresholds, key)) is not None
+        }
+    table["cooldowns"] = dict(policy.cooldowns_s)
+    fc = config.forecast
+    out["forecast"] = {
+        "horizons_s": list(fc.horizons_s),
+        "window_s": fc.window_s,
+        "kv_reserve_ratio": fc.kv_reserve_ratio,
+        "gpu_reserve": int(fc.gpu_reserve_bytes),
+        "min_rise_ratio_per_s": fc.min_rise_ratio_per_s,
+    }
+    return out
+
+
+def _reads_back(parse: Callable[[str, object], object], key: str, value: object) -> bool:
+    try:
+        parse(key, value)
+    except InvalidInputError:
+        return False
+    return True
+
+
+def hidden_settings(config: Config) -> list[str]:
+    """The :data:`HIDDEN_SETTINGS` that ``config`` sets (left out of :func:`file_form`)."""
+    return [
+        name
+        for name in HIDDEN_SETTINGS
+        if getattr(getattr(config, name.split(".")[0]), name.split(".")[1])
+    ]
+
+
+def _plain(value: object) -> object:
+    """A setting's value as TOML holds it: tuples and sets as lists, mappings as tables."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
 def _shown(value: object) -> object:
     """``value`` as JSON-ready values, secrets hidden (tuples and sets become lists).
 
@@ -756,15 +843,20 @@ def load_config(
         raise ConfigError(
             "<config>", [("--config", None, f"give a config file or set {CONFIG_ENV}")]
         )
-    try:
-        raw = Path(chosen).read_bytes()
-    except OSError as exc:
-        raise ConfigError(chosen, [("file", chosen, f"must be readable ({exc.strerror})")]) from exc
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(chosen, [("file", chosen, f"must be valid TOML ({exc})")]) from exc
+    data = read_tables(chosen)
     return parse_config(data, source=chosen, env=env, strict_secrets=strict_secrets)
+
+
+def read_tables(path: str) -> dict[str, Any]:
+    """The TOML file at ``path`` as tables; a :class:`ConfigError` when unreadable or not TOML."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(path, [("file", path, f"must be readable ({exc.strerror})")]) from exc
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(path, [("file", path, f"must be valid TOML ({exc})")]) from exc
 
 
 def config_for_engine(url: str, kind: str = "auto") -> Config:
