@@ -9,7 +9,12 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
-from kvguard.api.telemetry import REJECT_REASONS, daemon_registry
+from kvguard.api.telemetry import (
+    PROXY_ERROR_CODES,
+    REJECT_REASONS,
+    SHED_SERIES,
+    daemon_registry,
+)
 from kvguard.config.settings import parse_config
 from kvguard.core.snapshot import EngineStats, GpuMemory, HostStats
 from kvguard.core.units import GiB
@@ -391,3 +396,23 @@ async def test_every_refusal_reason_is_exported_from_zero():
         m.documentation for m in registry.collect() if m.name == "kvguard_requests_rejected"
     )
     assert "malformed" in help_text
+
+
+def test_shed_and_error_counters_start_at_zero_and_the_process_is_described():
+    """A fresh start: every shed series and proxy error code at 0; process_* and the new name."""
+    daemon, _, _ = make()
+    daemon.proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:1"), daemon.mitigations)
+    daemon.proxy.counters.shed[("sheddable", "kv_cache_pressure")] += 3
+    registry = daemon_registry(daemon)
+    for priority, reason in SHED_SERIES:
+        value = registry.get_sample_value(
+            "kvguard_requests_shed_total", {"priority": priority, "reason": reason}
+        )
+        assert value == (3.0 if (priority, reason) == ("sheddable", "kv_cache_pressure") else 0.0)
+    for code in PROXY_ERROR_CODES:
+        assert registry.get_sample_value("kvguard_proxy_errors_total", {"code": code}) == 0.0
+    assert registry.get_sample_value("kvguard_proxy_held_requests") == 0.0
+    assert registry.get_sample_value("kvguard_waiting_requests") == 0.0  # deprecated twin
+    resident = registry.get_sample_value("process_resident_memory_bytes")
+    assert resident is not None
+    assert resident > 0

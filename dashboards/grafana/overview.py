@@ -410,14 +410,14 @@ def proxy_row() -> list[Json]:
         ),
         sized(
             timeseries(
-                "Proxy requests in flight and waiting",
+                "Proxy requests in flight and held",
                 "Generation requests in flight through the proxy "
                 "(kvguard_inflight_requests) and held until they fit the engine's pool "
-                "(kvguard_waiting_requests).",
+                "(kvguard_proxy_held_requests).",
                 "short",
                 [
                     target(sel("kvguard_inflight_requests"), "in flight"),
-                    target(sel("kvguard_waiting_requests"), "waiting"),
+                    target(sel("kvguard_proxy_held_requests"), "held"),
                 ],
             ),
             8,

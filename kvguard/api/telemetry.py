@@ -18,8 +18,10 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from kvguard.actuators.mitigations import PRIORITIES
 from kvguard.api.metric_families import counter_family, gauge
 from kvguard.api.telemetry_actions import actuator_metrics
 from kvguard.core.pattern import TRAFFIC_PATTERNS
@@ -44,6 +46,16 @@ REJECT_REASONS = (
     "path_blocked",  # 403: an engine admin path ([proxy] blocked_paths)
     "content_encoding",  # 415: a compressed request body (it cannot pass as sent)
 )
+
+
+# Every (priority, reason) a shed is counted under, and every code the proxy answers with
+# itself: 0 from the start, so rate() and alerts see the first one on a fresh start.
+SHED_SERIES = tuple(
+    (priority, reason)
+    for priority in PRIORITIES
+    for reason in ("kv_cache_pressure", "kv_pool_full", "draining")
+)
+PROXY_ERROR_CODES = ("408", "413", "502", "503", "504")
 
 
 class DaemonCollector(Collector):
@@ -329,8 +341,15 @@ class DaemonCollector(Collector):
             value=len(inflight),
         )
         yield GaugeMetricFamily(
-            "kvguard_waiting_requests",
+            "kvguard_proxy_held_requests",
             "Requests the proxy holds until they fit the engine's pool.",
+            value=proxy.waiting,
+        )
+        # The old name, easy to confuse with the engine's queue (kvguard_requests_waiting):
+        # exported one more release so dashboards and alerts can move.
+        yield GaugeMetricFamily(
+            "kvguard_waiting_requests",
+            "Deprecated: kvguard_proxy_held_requests (removed in the next release).",
             value=proxy.waiting,
         )
         tokens = inflight.total_tokens
@@ -358,7 +377,7 @@ class DaemonCollector(Collector):
             "kvguard_requests_shed",
             "Requests shed by the proxy.",
             ["priority", "reason"],
-            counters.shed,
+            {**dict.fromkeys(SHED_SERIES, 0), **counters.shed},
         )
         yield CounterMetricFamily(
             "kvguard_requests_clamped",
@@ -382,7 +401,7 @@ class DaemonCollector(Collector):
             "kvguard_proxy_errors",
             "Proxy answers of its own: 408, 413, 503 (body memory full), 502, 504.",
             ["code"],
-            counters.upstream_errors,
+            {**dict.fromkeys(PROXY_ERROR_CODES, 0), **counters.upstream_errors},
         )
 
 
@@ -425,4 +444,7 @@ def daemon_registry(daemon: Daemon) -> CollectorRegistry:
     """A fresh registry holding the daemon's collector (one per server, one per test)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(daemon))
+    # kvguard's own process: process_cpu_seconds_total, process_resident_memory_bytes,
+    # open file descriptors… (Linux /proc; nothing elsewhere).
+    ProcessCollector(registry=registry)
     return registry
