@@ -200,9 +200,10 @@ def vram_row() -> list[Json]:
         ),
         timeseries(
             "Engine process CPU",
-            "CPU of the engine process in cores (kvguard_engine_process_cpu_ratio).",
+            "CPU of the engine process in cores "
+            "(rate of kvguard_engine_process_cpu_seconds_total).",
             "short",
-            [target(sel("kvguard_engine_process_cpu_ratio"), "engine CPU (cores)")],
+            [target(rate("kvguard_engine_process_cpu_seconds_total"), "engine CPU (cores)")],
         ),
     ]
 

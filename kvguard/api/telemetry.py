@@ -194,9 +194,16 @@ class DaemonCollector(Collector):
             "Resident memory of the engine process.",
             host.engine_resident_bytes,
         )
+        if host.engine_cpu_seconds_total is not None:
+            yield CounterMetricFamily(
+                "kvguard_engine_process_cpu_seconds",
+                "CPU time (user + system) of the engine process.",
+                value=host.engine_cpu_seconds_total,
+            )
         yield from gauge(
             "kvguard_engine_process_cpu_ratio",
-            "CPU of the engine process, in cores.",
+            "Deprecated: rate(kvguard_engine_process_cpu_seconds_total) (removed in the next"
+            " release). CPU of the engine process, in cores.",
             host.engine_cpu_ratio,
         )
 

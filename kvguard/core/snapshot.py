@@ -53,6 +53,7 @@ class HostStats:
     engine_pid: int | None = None
     engine_resident_bytes: int | None = None
     engine_cpu_ratio: float | None = None  # share of one core over the last interval
+    engine_cpu_seconds_total: float | None = None  # user + system CPU time since it started
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,8 @@ class HostProbe:
                 zombie = process.status() == self._ps.STATUS_ZOMBIE
                 resident = int(process.memory_info().rss)
                 cpu_percent = float(process.cpu_percent(None))
+                times = process.cpu_times()
+                cpu_seconds = float(times.user + times.system)
         except self._ps.NoSuchProcess:
             zombie = True
         if zombie:
@@ -133,6 +135,7 @@ class HostProbe:
             engine_resident_bytes=resident,
             # The first cpu_percent(None) only starts the interval it measures.
             engine_cpu_ratio=None if fresh else cpu_percent / 100,
+            engine_cpu_seconds_total=cpu_seconds,
         )
 
     def _engine_process(self) -> tuple[PsutilProcess, bool] | None:

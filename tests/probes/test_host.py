@@ -74,6 +74,10 @@ async def test_own_pid_has_resident_memory_and_cpu_after_priming():
     assert first.engine_cpu_ratio is None  # the first call only primes the measurement
     assert second.engine_cpu_ratio is not None
     assert second.engine_cpu_ratio >= 0
+    # A counter from the start: present on the first read, never falling.
+    assert first.engine_cpu_seconds_total is not None
+    assert second.engine_cpu_seconds_total is not None
+    assert second.engine_cpu_seconds_total >= first.engine_cpu_seconds_total > 0
 
 
 async def test_process_name_finds_the_subprocess(sleeper):
