@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 from kvguard.runtime.systemd import SystemdNotifier
 
 UNIT_FILE = Path(__file__).parent.parent / "systemd" / "kvguard.service"
-INSTALLED_EXEC = "/usr/local/bin/kvguard"
+INSTALLED_EXEC = "/opt/kvguard/bin/kvguard"  # where scripts/install-service.sh puts it
 
 
 def receive(sock: socket.socket) -> bytes | None:
@@ -270,7 +270,8 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
 
     verify exits 0 even on unknown keys or unparsable values (it only warns), so the
     test also requires empty output. It checks that ExecStart's binary exists, so the
-    copy points at this venv's kvguard instead of /usr/local/bin.
+    copy points at this venv's kvguard instead of /opt/kvguard (tests/test_install.py
+    verifies the unit as scripts/install-service.sh installs it).
     """
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
