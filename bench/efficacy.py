@@ -34,13 +34,14 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
 from bench import efficacy_policies as pol
+from bench.efficacy_plot import plot
 from bench.efficacy_stats import STATIC, summarize
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
@@ -540,67 +541,8 @@ def run(plan: Plan, out_dir: Path = RESULTS) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "efficacy.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out_dir / "efficacy_timeseries.json").write_text(json.dumps(series) + "\n")
-    doc["plots"] = plot(series, out_dir)
+    doc["plots"] = plot(series, out_dir, TIMESERIES_SEED)
     return doc
-
-
-def plot(series: Mapping[str, Mapping[str, Any]], out_dir: Path) -> list[str]:
-    """One PNG per workload: KV usage without and with kvguard, its forecast and actions.
-
-    Needs matplotlib (the ``bench`` extra); without it, no plots and an empty list.
-    """
-    try:
-        import matplotlib  # noqa: PLC0415 - optional
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        return []
-    for old in out_dir.glob("efficacy_*.png"):
-        old.unlink()  # a plot of an earlier run must not sit beside this one's figures
-    written = []
-    for workload, timelines in series.items():
-        fig, ax = plt.subplots(figsize=(9, 3.6))
-        for name, color in (("none", "tab:red"), ("kvguard", "tab:green")):
-            timeline = timelines.get(name)
-            if timeline is None:
-                continue
-            pts = [(t, u) for t, u, _, _ in timeline["engine"] if t >= 0]
-            ax.plot(
-                [t for t, _ in pts], [u for _, u in pts], color=color, label=f"KV usage, {name}"
-            )
-        kv = timelines.get("kvguard")
-        if kv is not None:
-            demand = [(t, d) for t, _, d, _ in kv["forecast"] if d is not None]
-            ax.plot(
-                [t for t, _ in demand],
-                [min(d, 1.95) for _, d in demand],
-                color="tab:green",
-                linestyle="--",
-                label="kvguard forecast: demand (cut at 1.95)",
-            )
-            seen: set[str] = set()
-            for t, kind in kv["actions"]:
-                ax.axvline(t, color="tab:green", alpha=0.3, linewidth=0.8)
-                if kind not in seen:
-                    ax.text(t, 1.55, kind, fontsize=6, rotation=90, va="bottom")
-                    seen.add(kind)
-        dry = timelines.get("kvguard_dry_run")
-        high = pol.first_high(dry["forecast"]) if dry else None
-        if high is not None:
-            ax.axvline(high, color="tab:orange", linestyle=":", label="dry-run: first high")
-        ax.set_ylim(0, 2.0)
-        ax.set_xlabel("seconds into the workload")
-        ax.set_ylabel("fraction of the KV pool")
-        ax.set_title(f"{workload} (seed {TIMESERIES_SEED}, preempt mode)")
-        ax.legend(fontsize=7, loc="upper right")
-        fig.tight_layout()
-        safe = workload.replace("@", "_at_").replace(".csv", "")
-        path = out_dir / f"efficacy_{safe}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path.name)
-    return written
 
 
 # ------------------------------------------------------------------ command line
