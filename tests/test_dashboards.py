@@ -229,7 +229,12 @@ def test_the_overview_shows_every_documented_metric():
         for _, expr in panel_queries("overview")
         for metric, _ in METRIC.findall(expr)
     }
-    not_graphed = {"kvguard_gpu_memory_free_bytes"}  # total - used - reserved: shown by those
+    not_graphed = {
+        "kvguard_gpu_memory_free_bytes",  # total - used - reserved: shown by those
+        # Deprecated names, exported one more release; the panels use their successors.
+        "kvguard_waiting_requests",
+        "kvguard_engine_process_cpu_ratio",
+    }
     missing = set(documented_metrics()) - shown - not_graphed
     assert not missing
 
