@@ -72,6 +72,7 @@ _SCRAPE_TIMEOUT_S = 5.0
 _PROGRESS_INTERVAL_S = 0.5
 _SAMPLE_INTERVAL_S = 0.5
 _CHAT_TEMPLATE_TOKENS = 32  # role markers a chat template adds around the messages
+REAL_TOKENIZER_MARGIN = 0.95  # share of a real engine's context the plans stay within
 
 # Plain lowercase words only: no digits, underscores or punctuation, so each is
 # exactly one token to the simulator and close to one to a real tokenizer.
@@ -603,6 +604,10 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
         if limit is not None:
             # Never plan requests the server will refuse; chat templates add a few tokens.
             room = limit - (_CHAT_TEMPLATE_TOKENS if config.endpoint == "chat" else 0)
+            if resolve_output_length(config.output_length, card) == "ignore-eos":
+                # A real tokenizer reads N plain words as a few percent more than N
+                # tokens (3% for Llama's): plan within 95% of its context.
+                room = math.floor(room * REAL_TOKENIZER_MARGIN)
             config = replace(config, max_context=max(2, min(config.max_context, room)))
         specs: Iterator[RequestSpec]
         if trace is not None:

@@ -718,6 +718,15 @@ async def test_a_request_due_but_never_given_a_slot_counts_as_unfinished(sim_eng
     assert sum(c.unfinished for c in report.by_priority.values()) == 3
 
 
+async def test_plans_keep_a_margin_under_a_real_engines_context(scripted, tmp_path):
+    """Against a real engine (ignore-eos) prompt + max_tokens stay within 95% of its context."""
+    url, seen = await scripted(lambda body, attempt: answered(body), max_model_len=100)
+    path = trace_file(tmp_path, [(0, 200, 50), (0, 30, 20)])
+    report = await run_load(LoadConfig(url, trace=path, stream=False, duration_s=1))
+    assert report.output_length == "ignore-eos"
+    assert [len(b["prompt"].split()) + b["max_tokens"] for b in seen] == [95, 50]
+
+
 async def test_retry_after_is_honoured_and_counted_apart(scripted, tmp_path):
     """A 503 with Retry-After is sent again after the delay: one request, one retry, completed."""
 
