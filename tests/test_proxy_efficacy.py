@@ -14,9 +14,10 @@ wide margin:
   from preempting (seen once, seed 1 with a 4 s warm-up: 126). Hence a third, not zero.
 * ``bursty_short``: the first burst lands before any tick can react, so kvguard cannot
   spare it; from then on it sheds the excess, and the engine preempts at most half as
-  often as without it (the benchmark: a fifth, median 21 against 101) while about as
-  many requests meet the SLO or more (the benchmark: goodput 651 against 537; one
-  seed allows 15% of noise).
+  often as without it (the old benchmark: a fifth, median 21 against 101). That as
+  many requests meet the SLO is no longer true with clients that over-ask and an SLO
+  on TTFT and TPOT (docs/benchmarks.md): that test is a strict xfail until the
+  decisions are fixed.
 * The crash mode (``oom_on_exhaust``): the first ``bursty_short`` burst crashes the
   engine in about 0.6 s without kvguard (asserted: it is the benchmark's premise).
   With ``[proxy]`` at its defaults kvguard does not prevent that crash (5 of 5 seeds
@@ -64,9 +65,20 @@ async def test_kvguard_cuts_preemptions_for_bursty_short():
     assert direct.preemptions >= 40, "the bursts never filled the pool: nothing to compare"
     assert sum(guarded.proxy["shed"].values()) > 0
     assert guarded.preemptions <= 0.5 * direct.preemptions, (direct.preemptions, guarded.timeline)
-    # Shedding only the excess must not cost goodput: what is let in is served in time.
-    # One seed is noisy (seen over 8 s: 364 guarded against 378 direct, 650 against
-    # 530); the benchmark's 5 x 16 s show +21%. A whole-class shed fell far below (-58%).
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="at its defaults kvguard sheds most of bursty_short when clients over-ask"
+    " (max_tokens 2048) and goodput is judged on TTFT and TPOT: docs/benchmarks.md"
+    " measures 20% SLO attainment against 25% for doing nothing. When the decisions"
+    " are fixed this passes and the marker must go.",
+)
+async def test_shedding_the_excess_costs_no_goodput_for_bursty_short():
+    """What is let in is served in time: goodput through kvguard >= 85% of direct's."""
+    direct = await measure("bursty_short", 1, mode="direct", pattern_s=16.0, warmup_s=WARMUP_S)
+    guarded = await measure("bursty_short", 1, mode="kvguard", pattern_s=16.0, warmup_s=WARMUP_S)
+    assert direct.preemptions >= 40, "the bursts never filled the pool: nothing to compare"
     assert guarded.load["goodput"] >= 0.85 * direct.load["goodput"], (direct.load, guarded.load)
 
 
