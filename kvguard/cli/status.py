@@ -270,6 +270,15 @@ FLEET_HEADER = (
 )
 
 
+def exhausts_in(tte: float | None, rising: str) -> str:
+    """When a resource runs out, in words: ``rising`` holds ``{}`` for the seconds."""
+    if tte is None:
+        return "unknown"
+    if math.isinf(tte):
+        return "not rising"
+    return rising.format(math.floor(tte))  # rounded down: read the sooner figure
+
+
 def render_fleet(rows: list[FleetRow]) -> str:
     """One line per engine under a header, in the order given (worst first)."""
     table = [FLEET_HEADER]
@@ -277,14 +286,7 @@ def render_fleet(rows: list[FleetRow]) -> str:
         if row.error is not None:
             table.append((row.url, "UNREACHABLE", row.error, "", "", "", ""))
             continue
-        tte = row.time_to_exhaustion_s
-        if tte is None:
-            exhausts = "unknown"
-        elif math.isinf(tte):
-            exhausts = "not rising"
-        else:
-            # Rounded down: the operator should read the sooner figure.
-            exhausts = f"{math.floor(tte)} s ({row.exhausting})"
+        exhausts = exhausts_in(row.time_to_exhaustion_s, f"{{}} s ({row.exhausting})")
         gpu = "no GPU data"
         if row.gpu_free_bytes is not None and row.gpu_free_ratio is not None:
             gpu = (
@@ -363,13 +365,7 @@ def pressure_lines(doc: dict[str, Any]) -> list[str]:
     if not pressure:
         return ["Pressure (no decision yet)"]
     row = fleet_row("", doc)
-    tte = row.time_to_exhaustion_s
-    if tte is None:
-        exhausts = "unknown"
-    elif math.isinf(tte):
-        exhausts = "not rising"
-    else:
-        exhausts = f"in {math.floor(tte)} s"
+    exhausts = exhausts_in(row.time_to_exhaustion_s, "in {} s")
     binding = row.exhausting or "none rising"
     lines = [
         f"Pressure {pressure['level']} for {pressure.get('level_for_s', 0):.0f} s"
