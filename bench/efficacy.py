@@ -45,6 +45,7 @@ from bench.efficacy_plot import plot
 from bench.efficacy_stats import STATIC, summarize
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
+from kvguard.sim.loadgen_client import ENGINE_PRIORITIES
 from kvguard.sim.loadgen_report import LoadReport
 from kvguard.sim.runner import PoolSpec, size_pool, start_sim_server
 
@@ -404,6 +405,14 @@ def machine() -> dict[str, Any]:
     }
 
 
+def traffic_policies(policies: Sequence[str]) -> list[str]:
+    """The policies of ``policies`` that send traffic, ``none`` added for any observer."""
+    shaping = [p for p in pol.TRAFFIC_POLICIES if p in policies]
+    if any(p in policies for p in pol.OBSERVERS) and "none" not in shaping:
+        shaping.insert(0, "none")  # the observers ride on none's traffic
+    return shaping
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one benchmark run covers."""
@@ -417,9 +426,7 @@ class Plan:
 
     def traffic_runs(self) -> list[tuple[str, Workload, int, str, int | None]]:
         """(mode, workload, seed, policy, max_num_seqs) of every traffic run, in order."""
-        shaping = [p for p in pol.TRAFFIC_POLICIES if p in self.policies]
-        if any(p in self.policies for p in pol.OBSERVERS) and "none" not in shaping:
-            shaping.insert(0, "none")  # the observers ride on none's traffic
+        shaping = traffic_policies(self.policies)
         out: list[tuple[str, Workload, int, str, int | None]] = []
         for mode in self.modes:
             for workload in self.workloads:
@@ -469,7 +476,7 @@ class Plan:
             },
             "slo": {"ttft_s": s.slo_ttft_s, "tpot_s": s.slo_tpot_s},
             "static_sweep": list(self.static_sweep),
-            "engine_priority": {"body_field": "priority", "values": pol.ENGINE_PRIORITY},
+            "engine_priority": {"body_field": "priority", "values": dict(ENGINE_PRIORITIES)},
             "llmd_rule": {
                 "queue_depth": pol.LLMD_QUEUE_DEPTH,
                 "kv_util": pol.LLMD_KV_UTIL,

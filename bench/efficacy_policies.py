@@ -42,8 +42,6 @@ from kvguard.runtime.inprocess import start_guard, start_watcher
 
 TRAFFIC_POLICIES = ("none", "static", "engine_priority", "llmd_rule", "kvguard")
 OBSERVERS = ("predict_linear", "kvguard_dry_run")
-# The body field `priority` the client sends for engine_priority (vLLM: lower runs first).
-ENGINE_PRIORITY = {"critical": 0, "standard": 1, "sheddable": 2}
 # llm-d's saturation detector as published (Inference Gateway): queue depth 5, KV-cache
 # utilization 0.8, both strict (`>`), and metrics older than 200 ms count as saturated.
 LLMD_QUEUE_DEPTH = 5.0

@@ -147,9 +147,7 @@ def traffic_runs(
     seeds: int, policies: tuple[str, ...]
 ) -> list[tuple[str, efficacy.Workload, int, str, int | None]]:
     """The runs grouped by engine configuration, so each server starts once."""
-    shaping = [p for p in ("none", "engine_priority", "llmd_rule", "kvguard") if p in policies]
-    if any(p in policies for p in pol.OBSERVERS) and "none" not in shaping:
-        shaping.insert(0, "none")
+    shaping = [p for p in efficacy.traffic_policies(policies) if p != STATIC]
     groups: list[list[tuple[str, int | None]]] = [
         [(p, None) for p in shaping if p != "engine_priority"],
         [("engine_priority", None)] if "engine_priority" in shaping else [],

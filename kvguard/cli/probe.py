@@ -67,11 +67,17 @@ def run_probe(args: argparse.Namespace) -> int:
     return 0 if document["sources"]["engine"]["ok"] else 1
 
 
+def normalize_url(url: str) -> str:
+    """One spelling per kvguard: ``127.0.0.1:9108`` gets ``http://``, a trailing ``/`` goes."""
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    return url.rstrip("/")
+
+
 def _config(args: argparse.Namespace) -> Config:
     """What to probe: --engine-url alone, or a config file with --engine-url on top."""
-    url = args.engine_url
-    if url is not None and "://" not in url:
-        url = "http://" + url
+    url = None if args.engine_url is None else normalize_url(args.engine_url)
     if args.config is None and not os.environ.get(CONFIG_ENV):
         if url is None:
             raise InvalidInputError(

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from kvguard.cli.probe import fmt_value, gpu_line, source_state
+from kvguard.cli.probe import fmt_value, gpu_line, normalize_url, source_state
 from kvguard.config.settings import CONFIG_ENV, load_config
 from kvguard.core.bars import text_bar
 from kvguard.core.units import format_bytes
@@ -58,14 +58,6 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
 
 STATUS_TIMEOUT_S = 5.0
 LEVEL_RANKS = {"ok": 0, "elevated": 1, "high": 2, "critical": 3}
-
-
-def normalize_url(url: str) -> str:
-    """One spelling per kvguard: ``127.0.0.1:9108`` gets ``http://``, a trailing ``/`` goes."""
-    url = url.strip()
-    if "://" not in url:
-        url = "http://" + url
-    return url.rstrip("/")
 
 
 def run_status(args: argparse.Namespace) -> int:

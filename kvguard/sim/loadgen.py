@@ -601,10 +601,11 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
         model = config.model if config.model is not None else str(card["id"] if card else "")
         # A card's limit is the named model's only when it is that model's card.
         limit = _context_limit(card) if card and card.get("id") == model else None
+        output_length = resolve_output_length(config.output_length, card)
         if limit is not None:
             # Never plan requests the server will refuse; chat templates add a few tokens.
             room = limit - (_CHAT_TEMPLATE_TOKENS if config.endpoint == "chat" else 0)
-            if resolve_output_length(config.output_length, card) == "ignore-eos":
+            if output_length == "ignore-eos":
                 # A real tokenizer reads N plain words as a few percent more than N
                 # tokens (3% for Llama's): plan within 95% of its context.
                 room = math.floor(room * REAL_TOKENIZER_MARGIN)
@@ -620,7 +621,7 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
             )
         else:
             specs = generate(config.pattern, seed=config.seed, params=config.traffic())
-        client = Client(session, _client_settings(config, model, card))
+        client = Client(session, _client_settings(config, model, output_length))
         before = await _scrape(monitor, config.base_url)
         run = _Run(config, client)
         progress = asyncio.ensure_future(_show_progress(run)) if sys.stderr.isatty() else None
@@ -659,9 +660,7 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
     )
 
 
-def _client_settings(
-    config: LoadConfig, model: str, card: Mapping[str, Any] | None
-) -> ClientSettings:
+def _client_settings(config: LoadConfig, model: str, output_length: str) -> ClientSettings:
     return ClientSettings(
         base_url=config.base_url,
         endpoint=config.endpoint,
@@ -671,7 +670,7 @@ def _client_settings(
         request_timeout_s=config.request_timeout_s,
         max_context=config.max_context,
         client_max_tokens=config.client_max_tokens,
-        output_length=resolve_output_length(config.output_length, card),
+        output_length=output_length,
         retries=config.retries,
         retry_cap_s=config.retry_cap_s,
         engine_priority=config.engine_priority,
