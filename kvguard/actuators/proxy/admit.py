@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -25,8 +26,13 @@ from kvguard.actuators.accounting import Inflight, InflightRequest
 from kvguard.actuators.mitigations import Mitigations, request_priority
 from kvguard.actuators.proxy import shapes
 from kvguard.actuators.proxy.answers import _error
-from kvguard.actuators.proxy.counting import PromptCounter, _answer_has_usage
-from kvguard.actuators.proxy.screen import _malformed_generation, read_json
+from kvguard.actuators.proxy.counting import (
+    PromptCount,
+    PromptCounter,
+    _answer_has_usage,
+    measure_prompt,
+)
+from kvguard.actuators.proxy.screen import _malformed_generation, beside_the_loop, read_json
 from kvguard.actuators.proxy.settings import ProxyCounters, ProxySettings
 from kvguard.core import admission as rules
 
@@ -128,19 +134,18 @@ class Admission:
         # on with an estimate, corrected when the engine's count comes (see below): the
         # /tokenize round trip was most of the latency the proxy adds.
         subject = generation.prompts[0]
-        known = self._counter.known(payload, chat=chat, subject=subject)
+        # A batch's prompts are estimated (or counted from their token ids) one by one:
+        # one /tokenize for each would be a burst of requests on the engine. Measured
+        # beside the loop for a large body (hashing many messages takes milliseconds).
+        measured = await beside_the_loop(len(body), _measure_all, payload, generation)
+        known = self._counter.recall(measured[0])
         decides = rules.needs_exact_count(
             prompt_cap,
             completion_cap,
             shed_class=shed_class,
             admission_enforced=self.admission_enforced(),
         )
-        # A batch's prompts are estimated (or counted from their token ids) one by one:
-        # one /tokenize for each would be a burst of requests on the engine.
-        counts = [known.count] + [
-            self._counter.known(payload, chat=chat, subject=other).count
-            for other in generation.prompts[1:]
-        ]
+        counts = [known.count] + [self._counter.recall(m).count for m in measured[1:]]
         if not known.exact and decides and len(counts) == 1:
             counts[0] = await self._counter.exact(payload, known, chat=chat, subject=subject)
             # What is in force now, not before the wait (up to TOKENIZE_TIMEOUT_S).
@@ -384,3 +389,11 @@ def _reads_as_chat(shape: str, payload: object) -> bool:
     # Every engine's /invocations shape (vllm_invocations, sglang_invocations, ...).
     invocations = shape.endswith("invocations")
     return invocations and isinstance(payload, dict) and "messages" in payload
+
+
+def _measure_all(payload: dict[str, Any], generation: shapes.Generation) -> list[PromptCount]:
+    """Each prompt of ``generation`` measured (:func:`.counting.measure_prompt`): pure."""
+    return [
+        measure_prompt(payload, chat=generation.chat, subject=prompt)
+        for prompt in generation.prompts
+    ]

@@ -64,6 +64,39 @@ class PromptCount:
     key: int  # the cache key (a hash of the prompt and PROMPT_SHAPING_FIELDS)
 
 
+def measure_prompt(
+    payload: dict[str, Any], *, chat: bool, subject: object = _FROM_PAYLOAD
+) -> PromptCount:
+    """The prompt's token ids' count, else its cache key and an estimate (pure).
+
+    No state is read, so a large body's prompt is measured in the parsing thread
+    (hashing and estimating 10,000 messages takes ~15 ms, which would stall the
+    loop); :meth:`PromptCounter.recall` then looks the key up on the loop.
+    """
+    if subject is _FROM_PAYLOAD:
+        subject = payload.get("messages") if chat else payload.get("prompt")
+    if (
+        isinstance(subject, list)
+        and not chat
+        and subject
+        and all(isinstance(t, int) for t in subject)
+    ):
+        return PromptCount(len(subject), exact=True, key=0)  # already token ids
+    # Keyed and estimated from the parsed values: writing the prompt out again (it
+    # may be megabytes, or a body of many small values) would cost another copy.
+    # The fields that change what the engine counts for the same prompt are part of
+    # the key, so a count remembered for one request is never another's.
+    shaping = {f: payload[f] for f in PROMPT_SHAPING_FIELDS if f in payload}
+    key = digest((subject, shaping)) if shaping else digest(subject)
+    if chat and isinstance(subject, list):
+        estimate = estimate_chat_tokens(subject)
+    elif isinstance(subject, str):
+        estimate = estimate_tokens(subject)
+    else:
+        estimate = estimate_value_tokens(subject)
+    return PromptCount(estimate, exact=False, key=key)
+
+
 class PromptCounter:
     """Counts prompts: from the request, the cache, or the engine (``/tokenize``).
 
@@ -93,31 +126,16 @@ class PromptCounter:
         of another shape than OpenAI's (:mod:`.shapes`); by default the body's
         ``messages`` or ``prompt``.
         """
-        if subject is _FROM_PAYLOAD:
-            subject = payload.get("messages") if chat else payload.get("prompt")
-        if (
-            isinstance(subject, list)
-            and not chat
-            and subject
-            and all(isinstance(t, int) for t in subject)
-        ):
-            return PromptCount(len(subject), exact=True, key=0)  # already token ids
-        # Keyed and estimated from the parsed values: writing the prompt out again (it
-        # may be megabytes, or a body of many small values) would cost another copy.
-        # The fields that change what the engine counts for the same prompt are part of
-        # the key, so a count remembered for one request is never another's.
-        shaping = {f: payload[f] for f in PROMPT_SHAPING_FIELDS if f in payload}
-        key = digest((subject, shaping)) if shaping else digest(subject)
-        cached = self.cache.get(key)
+        return self.recall(measure_prompt(payload, chat=chat, subject=subject))
+
+    def recall(self, measured: PromptCount) -> PromptCount:
+        """``measured`` (:func:`measure_prompt`), or the engine's count remembered for it."""
+        if measured.exact:
+            return measured
+        cached = self.cache.get(measured.key)
         if cached is not None:
-            return PromptCount(cached, exact=True, key=key)
-        if chat and isinstance(subject, list):
-            estimate = estimate_chat_tokens(subject)
-        elif isinstance(subject, str):
-            estimate = estimate_tokens(subject)
-        else:
-            estimate = estimate_value_tokens(subject)
-        return PromptCount(estimate, exact=False, key=key)
+            return PromptCount(cached, exact=True, key=measured.key)
+        return measured
 
     async def exact(
         self,
