@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from kvguard.config.model_files import BUNDLED_MODELS_DIR
 from kvguard.config.secrets import CONTROL_TOKEN_ENV, TOKEN_ENV, Secret
 from kvguard.config.settings import CONFIG_ENV, exposed_secrets, load_config, parse_config
 from kvguard.errors import ConfigError
@@ -139,7 +140,7 @@ def test_the_shipped_example_is_valid_and_documents_every_key():
 
 
 def test_check_config_cli_lists_every_problem(tmp_path):
-    """`kvguard check-config` prints one line per problem and exits 2; OK prints the config."""
+    """`kvguard check-config` prints one line per problem and exits 1; OK prints the config."""
     bad = tmp_path / "bad.toml"
     bad.write_text('[engine]\nkind = "vlm"\n[poll]\ninterval_s = "fast"\n')
     result = subprocess.run(
@@ -212,9 +213,79 @@ def test_check_config_validates_the_model_budget(tmp_path):
     )
     assert result.returncode == 1
     assert (
-        "model.config: must give a usable budget (tp: must divide num_attention_heads (32)"
-        in result.stderr
+        "model.tp: must divide num_attention_heads (32) evenly (model.config = 'llama-3.1-8b'),"
+        " got 3" in result.stderr
     )
+
+
+def check_config_errors(path: Path) -> tuple[list[str], str]:
+    """Run the real ``kvguard check-config`` on ``path``: each error's field, and stderr.
+
+    Asserts exit 1 (an invalid config) and one ``error`` line per problem, no traceback.
+    """
+    result = subprocess.run(
+        [KVGUARD, "check-config", str(path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert all(line.startswith(f"kvguard check-config: error: {path}: ") for line in lines)
+    return [line.split(": ")[3] for line in lines], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "fields"),
+    [
+        ("http://127.0.0.1:8000", ["model.tp", "model.max_model_len"]),
+        ("not a url", ["engine.url", "model.tp", "model.max_model_len"]),
+    ],
+)
+def test_check_config_a_bad_tp_does_not_hide_a_bad_max_model_len(tmp_path, url, fields):
+    """The budget stops at its first error; check-config goes on to every [model] one.
+
+    tp = 3 does not divide llama-3.1-8b's 32 heads and max_model_len = 999999 is past
+    its context: both are reported, each under its own key, beside a bad URL too.
+    """
+    path = tmp_path / "k.toml"
+    path.write_text(
+        f'[engine]\nurl = "{url}"\n'
+        '[model]\nconfig = "llama-3.1-8b"\ntp = 3\nmax_model_len = 999999\n'
+    )
+    found, stderr = check_config_errors(path)
+    assert found == fields
+    bundled = json.loads((BUNDLED_MODELS_DIR / "llama-3.1-8b" / "config.json").read_text())
+    context = bundled["max_position_embeddings"]
+    assert context < 999999
+    assert (
+        f"model.max_model_len: must be <= the model's max_position_embeddings ({context:,})"
+        " (model.config = 'llama-3.1-8b'), got 999999"
+    ) in stderr
+
+
+def test_check_config_a_bad_max_model_len_does_not_hide_a_bad_model(tmp_path):
+    """A [model] value refused on parsing left the model unchecked: now both are reported."""
+    path = tmp_path / "k.toml"
+    path.write_text(
+        '[engine]\nurl = "not a url"\n[model]\nconfig = "no-such-model"\nmax_model_len = 0\n'
+    )
+    found, _ = check_config_errors(path)
+    assert found == ["engine.url", "model.max_model_len", "model.config"]
+
+
+def test_check_config_a_bad_weight_index_does_not_hide_the_model_settings(tmp_path):
+    """A broken model.safetensors.index.json is reported, and [model] still checked."""
+    model = tmp_path / "model"
+    model.mkdir()
+    config_json = BUNDLED_MODELS_DIR / "llama-3.1-8b" / "config.json"
+    (model / "config.json").write_text(config_json.read_text())
+    (model / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    path = tmp_path / "k.toml"
+    path.write_text(
+        f'[engine]\nurl = "not a url"\n[model]\nconfig = "{model}"\n'
+        "tp = 3\nmax_model_len = 999999\n"
+    )
+    found, stderr = check_config_errors(path)
+    assert found == ["engine.url", "model.config", "model.tp", "model.max_model_len"]
+    assert "weight index has no positive integer metadata.total_size" in stderr
 
 
 def test_a_token_with_control_characters_is_refused(tmp_path):

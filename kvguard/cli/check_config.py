@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from kvguard.config import toml_out
+from kvguard.config.model_files import ModelFiles, WeightIndexError, load_model_files
 from kvguard.config.settings import (
+    Config,
+    ModelConfig,
     exposed_secrets,
     file_form,
     hidden_settings,
@@ -16,10 +20,13 @@ from kvguard.config.settings import (
     parse_config,
     read_tables,
 )
-from kvguard.errors import ConfigError, KvguardError
-from kvguard.runtime.budget_keeping import budget_for
+from kvguard.core.budget import budget_inputs_from, plan_budget
+from kvguard.errors import ConfigError, InvalidInputError, KvguardError
 
 EXIT_INVALID = 1  # the config has problems (2 stays the usage error)
+MODEL_DEFAULTS = ModelConfig()
+Problem = tuple[str, object, str]  # (field, value, what is allowed), as ConfigError holds them
+_MISSING = object()  # getattr's default: a field name that is no [model] setting
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
@@ -54,11 +61,9 @@ def run_check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _print_problems(_with_model_problems(exc, args.file))
         return EXIT_INVALID
-    try:
-        budget_for(config, config.gpu.memory_bytes)
-    except KvguardError as exc:
-        problem = ("model.config", config.model.config, f"must give a usable budget ({exc})")
-        _print_problems(ConfigError(config.source, [problem]))
+    budget_problems = _budget_problems(config)
+    if budget_problems:
+        _print_problems(ConfigError(config.source, budget_problems))
         return EXIT_INVALID
     for exposed in exposed_secrets(config):
         field, name, allowed = exposed.problem()
@@ -93,22 +98,81 @@ def _print_problems(exc: ConfigError) -> None:
 def _with_model_problems(exc: ConfigError, path: str) -> ConfigError:
     """``exc`` plus what is wrong with the model the file names, checked on its own.
 
-    A bad URL must not hide a bad model: the model's tables are parsed and budgeted
-    apart from the rest (skipped when they are themselves among the problems).
+    A bad URL, or a bad ``[model]`` / ``[gpu]`` value, must not hide a bad model: the
+    file's ``[model]`` and ``[gpu]`` tables are parsed and budgeted apart from the rest,
+    without the keys already among the problems (skipped when ``model.config`` is).
     """
-    if any(field.startswith(("model.", "gpu.")) for field, _, _ in exc.problems):
-        return exc
+    bad = {field for field, _, _ in exc.problems}
+    if "model" in bad or "model.config" in bad:
+        return exc  # no model to check, or its name is itself the problem
     try:
         data = read_tables(path)
-        alone = {"engine": {"url": "http://127.0.0.1:1"}}
-        alone |= {k: data[k] for k in ("model", "gpu") if isinstance(data.get(k), dict)}
+        alone: dict[str, object] = {"engine": {"url": "http://127.0.0.1:1"}}
+        for section in ("model", "gpu"):
+            table = data.get(section)
+            if isinstance(table, dict) and section not in bad:
+                alone[section] = {k: v for k, v in table.items() if not _named(bad, section, k)}
         config = parse_config(alone, source=exc.source, env={})
-        if config.model.config is None:
-            return exc
-        budget_for(config, config.gpu.memory_bytes)
     except ConfigError:
         return exc
-    except KvguardError as model:
-        problem = ("model.config", config.model.config, f"must give a usable budget ({model})")
-        return ConfigError(exc.source, [*exc.problems, problem])
-    return exc
+    return ConfigError(exc.source, [*exc.problems, *_budget_problems(config)])
+
+
+def _named(fields: set[str], section: str, key: object) -> bool:
+    """Whether ``section.key`` (or an item of it, ``gpu.indices[1]``) is among ``fields``."""
+    name = f"{section}.{key}"
+    return any(f == name or f.startswith((f"{name}[", f"{name}.")) for f in fields)
+
+
+def _budget_problems(config: Config) -> list[Problem]:
+    """Every problem budgeting ``config``'s ``[model]`` finds, not only the first.
+
+    The budget stops at its first error; one that names a ``[model]`` key the file set
+    (``tp`` that does not divide the heads, a ``max_model_len`` past the model's
+    context) is reported against that key, which is then put back to its default and
+    the budget tried again, so a bad ``tp`` does not hide a bad ``max_model_len``. A bad
+    weight index is reported and the settings still checked against ``config.json``.
+    The same steps as :func:`kvguard.runtime.budget_keeping.budget_for`.
+    """
+    name = config.model.config
+    if name is None:
+        return []
+    problems: list[Problem] = []
+    try:
+        try:
+            files = load_model_files(name)
+        except WeightIndexError as exc:
+            problems.append(("model.config", name, f"must give a usable budget ({exc})"))
+            files = load_model_files(name, weight_index=False)
+    except KvguardError as exc:
+        return [("model.config", name, f"must give a usable budget ({exc})")]
+    model = config.model
+    while (error := _plan_error(model, config.gpu.memory_bytes, files)) is not None:
+        if not isinstance(error, InvalidInputError) or not _set_by_file(model, error.field):
+            # From config.json itself, or a setting left at its default: the model's fault.
+            problems.append(("model.config", name, f"must give a usable budget ({error})"))
+            break
+        allowed = f"{error.allowed} (model.config = {name!r})"
+        problems.append((f"model.{error.field}", error.value, allowed))
+        model = replace(model, **{error.field: getattr(MODEL_DEFAULTS, error.field)})
+    return problems
+
+
+def _set_by_file(model: ModelConfig, field: str) -> bool:
+    """Whether ``field`` is a ``[model]`` setting (not the model's name) set off its default."""
+    default = getattr(MODEL_DEFAULTS, field, _MISSING)
+    return field != "config" and default is not _MISSING and getattr(model, field) != default
+
+
+def _plan_error(
+    model: ModelConfig, gpu_memory_bytes: int | None, files: ModelFiles
+) -> KvguardError | None:
+    """What budgeting ``model`` from ``files`` as the daemon would raises (None: it works)."""
+    try:
+        inputs = budget_inputs_from(model, gpu_memory_bytes=gpu_memory_bytes)
+        plan_budget(
+            files.config, inputs, index_total_size=files.index_total_size, source=files.source
+        )
+    except KvguardError as exc:
+        return exc
+    return None
