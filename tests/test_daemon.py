@@ -16,6 +16,7 @@ from kvguard.api.telemetry import (
     daemon_registry,
 )
 from kvguard.config.settings import parse_config
+from kvguard.core.forecast import Forecast, ResourceForecast
 from kvguard.core.snapshot import EngineStats, GpuMemory, HostStats
 from kvguard.core.units import GiB
 from kvguard.errors import KvguardError, ProbeError
@@ -242,6 +243,32 @@ async def test_polls_fast_while_an_escalation_waits_for_confirmation():
         clock.now += intervals[-1]
     assert levels == ["ok", "ok", "elevated", "elevated"]
     assert intervals == [0.1, 0.1, 0.5, 0.5]  # fast while pending, back to normal once entered
+
+
+@pytest.mark.parametrize(
+    ("slope", "prompts", "expected"),
+    [
+        (0.0, 0.0, 0.5),  # nothing filling: the full interval
+        (100_000.0, 0.0, 0.4),  # 40,000 tokens of headroom under high, at 100,000/s
+        (0.0, 200_000.0, 0.2),  # the token rates, when worse than the slope
+        (10_000_000.0, 0.0, 0.1),  # a pool filling in milliseconds: clamped at min_interval
+    ],
+)
+async def test_the_interval_is_the_time_the_headroom_lasts_at_the_worst_fill(
+    slope, prompts, expected
+):
+    """earlyoom's rule: headroom under `high` / the worst fill rate, within [min, interval]."""
+    stats = engine_stats(
+        kv_cache_usage_ratio=0.5, kv_capacity_tokens=100_000, kv_used_tokens=50_000
+    )
+    daemon, _, _ = make(engine=stats)
+    await daemon.tick()
+    gpu = ResourceForecast(None, None, None, None)
+    kv = ResourceForecast(50_000.0, 100_000.0, 98_000.0, slope)
+    daemon.brain.forecast = Forecast(
+        kv=kv, gpu=gpu, kv_used_tokens=50_000.0, prompt_fill_per_s=prompts
+    )
+    assert daemon.next_interval() == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("tick_s", "waits"), [(0.03, [0.02, 0.02, 0.02]), (0.08, [0.0, 0.0, 0.0])])

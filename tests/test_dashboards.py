@@ -1,8 +1,9 @@
 """The Grafana dashboards follow the pack's conventions and every query parses in Prometheus.
 
 Conventions (docs/monitoring.md): the datasource is the ``${datasource}`` variable; the
-``job``, ``instance`` and ``engine`` variables filter every selector; every panel has a
-title, a description and a unit; counters appear only inside ``rate()`` / ``increase()``
+``job`` and ``instance`` variables filter every selector, on labels the series really
+carry (the ones Prometheus attaches to every scraped series, or kvguard's own); every
+panel has a title, a description and a unit; counters appear only inside ``rate()`` / ``increase()``
 / ``irate()`` over ``$__rate_interval``; every ``kvguard_*`` name is in docs/metrics.md.
 The parse check sends each expression, Grafana variables substituted, to a real
 Prometheus on 127.0.0.1.
@@ -25,7 +26,9 @@ from typing import Any
 
 import pytest
 
-from kvguard.api.telemetry import REJECT_REASONS
+from kvguard.api.telemetry import REJECT_REASONS, daemon_registry
+from kvguard.config.settings import parse_config
+from kvguard.runtime.daemon import Daemon
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +46,12 @@ COUNTER = re.compile(r"_(total|bucket|count|sum)$")
 RANGE = re.compile(r"\[([^\]]*)\]")
 LABEL_VALUES = re.compile(r"^label_values\((?:(.*),\s*)?(\w+)\)$")
 GRAFANA_VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
-# Values Grafana would substitute; $job/$instance/$engine become "match anything".
+MATCHER = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)\s*\"")
+# The target labels Prometheus attaches to every series it scrapes (its own `up` too).
+# A dashboard filter must be one of these: a label set only by hand in some scrape
+# configs (an "engine" target label) is on no series of a default install.
+SCRAPE_LABELS = frozenset({"job", "instance"})
+# Values Grafana would substitute; $job/$instance become "match anything".
 SUBSTITUTES = {
     "__rate_interval": "1m",
     "__interval": "15s",
@@ -51,7 +59,6 @@ SUBSTITUTES = {
     "__range_s": "3600",
     "job": ".*",
     "instance": ".*",
-    "engine": ".*",
 }
 
 
@@ -112,6 +119,20 @@ def documented_metrics() -> dict[str, str]:
     return dict(rows)
 
 
+def exported_labels() -> dict[str, frozenset[str]]:
+    """``{sample name: its label names}`` of what a fresh kvguard's /metrics really serves.
+
+    A daemon that has not ticked yet: enough for the series the variables read
+    (kvguard_build_info), which are there from the start.
+    """
+    daemon = Daemon(parse_config({"engine": {"url": "http://127.0.0.1:9"}}, env={}))
+    labels: dict[str, set[str]] = {}
+    for family in daemon_registry(daemon).collect():
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    return {name: frozenset(names) for name, names in labels.items()}
+
+
 def substituted(expr: str) -> str:
     """``expr`` with Grafana's variables replaced as Grafana would (see SUBSTITUTES)."""
 
@@ -166,33 +187,59 @@ def test_every_panel_target_and_annotation_queries_the_datasource_variable(name)
 
 
 @pytest.mark.parametrize("name", DASHBOARDS)
-def test_datasource_job_instance_and_engine_variables_exist(name):
-    """The variables the conventions name; `engine` matches series without the label on All."""
+def test_datasource_job_and_instance_variables_exist(name):
+    """The variables the conventions name, and no others."""
     variables = {v["name"]: v for v in load(name)["templating"]["list"]}
+    assert list(variables) == ["datasource", "job", "instance"]
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for var in ("job", "instance", "engine"):
+    for var in ("job", "instance"):
         assert variables[var]["type"] == "query"
         assert variables[var]["description"]
-    engine = variables["engine"]
-    # kvguard's series have no engine label; ".*" (unlike Grafana's default list of the
-    # values) also matches series without it, so 'All' never empties a panel.
-    assert engine["includeAll"]
-    assert engine["allValue"] == ".*"
-    assert "engine" in engine["query"]
     # job's 'All' lists the values, so up{job=~"$job"} never matches other jobs.
     assert variables["job"]["allValue"] is None
 
 
 @pytest.mark.parametrize("name", DASHBOARDS)
-def test_every_selector_is_filtered_by_job_instance_and_engine(name):
-    """Each metric selector in a panel or annotation carries the three variable filters."""
+def test_every_variable_reads_a_label_the_series_really_carry(name):
+    """``label_values(selector, label)``: the series kvguard exports, on a label it has.
+
+    The label (and every label the selector matches on) is one Prometheus attaches to
+    every scraped series, or one kvguard's /metrics serves on that series; a variable
+    on a label nobody sets offers nothing to pick.
+    """
+    exported = exported_labels()
+    for variable in load(name)["templating"]["list"]:
+        if variable["type"] != "query":
+            continue
+        where = f"{name}: variable {variable['name']}"
+        match = LABEL_VALUES.match(variable["query"])
+        assert match, f"{where}: not label_values(selector, label)"
+        assert match.group(1), f"{where}: label_values without a selector reads every series"
+        selector, label = match.group(1), match.group(2)
+        ((metric, matchers),) = METRIC.findall(selector)
+        assert metric in exported, f"{where}: kvguard serves no {metric}"
+        real = SCRAPE_LABELS | exported[metric]
+        assert label in real, f"{where}: {metric} has no label {label!r}; it has {sorted(real)}"
+        for matched in MATCHER.findall(matchers):
+            assert matched in real, f"{where}: {metric} has no label {matched!r}"
+
+
+@pytest.mark.parametrize("name", DASHBOARDS)
+def test_every_selector_is_filtered_by_job_and_instance(name):
+    """Each metric selector in a panel or annotation carries the two variable filters.
+
+    A filter by variable is on a scrape label, the only labels every family has: a
+    filter on any other label would need that label on every series it is applied to.
+    """
     for where, expr in panel_queries(name):
         selectors = METRIC.findall(expr)
         assert selectors, f"{where}: no metric in {expr}"
         for metric, matchers in selectors:
-            for label in ("job", "instance", "engine"):
+            for label in SCRAPE_LABELS:
                 assert f'{label}=~"${label}"' in matchers, f"{where}: {metric} lacks {label}"
+            filtered = set(re.findall(r'(\w+)\s*=~\s*"\$', matchers))
+            assert filtered <= SCRAPE_LABELS, f"{where}: {metric} filtered on {filtered}"
 
 
 @pytest.mark.parametrize("name", DASHBOARDS)

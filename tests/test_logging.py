@@ -245,11 +245,15 @@ def test_non_finite_numbers_are_written_as_null(log_to):
 async def test_level_changes_and_decisions_keep_the_pressure_level_apart(log_to, sim_server):
     """A real daemon entering `elevated`: from_level/to_level and pressure_level, severity kept."""
     events = log_to("info")
-    server = await sim_server(kv_capacity_tokens=4096, max_model_len=2048, per_token_s=0.001)
+    # One sequence at a time: a second request waits in the engine's queue, so the
+    # cache binds (binding_of) and its usage counts past elevated.
+    server = await sim_server(
+        kv_capacity_tokens=4096, max_model_len=2048, max_num_seqs=1, per_token_s=0.001
+    )
     config = parse_config(
         {
             "engine": {"url": server.url, "kind": "vllm"},
-            # Any use of the cache is high pressure here, so one request brings actions.
+            # Any use of the cache is high pressure here, so two requests bring actions.
             "policy": {
                 "confirm_ticks": 1,
                 "elevated": {"kv_usage": 0.001},
@@ -265,18 +269,22 @@ async def test_level_changes_and_decisions_keep_the_pressure_level_apart(log_to,
     daemon = guard.daemon
     try:
         async with aiohttp.ClientSession() as http:
-            request = asyncio.ensure_future(
-                http.post(
-                    f"{server.url}/v1/completions",
-                    json={"prompt": "word " * 200, "max_tokens": 400},
+            requests = [
+                asyncio.ensure_future(
+                    http.post(
+                        f"{server.url}/v1/completions",
+                        json={"prompt": "word " * 200, "max_tokens": 400},
+                    )
                 )
-            )
+                for _ in range(2)
+            ]
             for _ in range(200):
                 await daemon.tick()
                 if daemon.brain.decision and daemon.brain.decision.level == "high":
                     break
                 await asyncio.sleep(0.01)
-            (await request).close()
+            for request in requests:
+                (await request).close()
     finally:
         await guard.close()
     logged = events()

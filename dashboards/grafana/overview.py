@@ -105,11 +105,21 @@ def now_row() -> list[Json]:
         ),
         sized(
             stat(
-                "Traffic pattern",
+                "Traffic pattern, what binds",
                 "The traffic pattern kvguard detects now (kvguard_traffic_pattern == 1); "
-                "it picks the ladder's first response (docs/how-it-works.md section 2).",
+                "it picks the ladder's first response (docs/how-it-works.md section 2). "
+                "Below it, what limits the engine (kvguard_binding_resource == 1): "
+                "kv_cache, compute (a queue with room in the cache: kvguard does not "
+                "shed for it) or none.",
                 "none",
-                [target(f"{sel('kvguard_traffic_pattern')} == 1", "{{pattern}}", instant=True)],
+                [
+                    target(f"{sel('kvguard_traffic_pattern')} == 1", "{{pattern}}", instant=True),
+                    target(
+                        f"{sel('kvguard_binding_resource')} == 1",
+                        "binds: {{resource}}",
+                        instant=True,
+                    ),
+                ],
                 text_mode="name",
             ),
             4,

@@ -1,7 +1,7 @@
 """Builders for Grafana 10 panels, targets and variables (used by generate.py).
 
 Every panel and target queries the ``${datasource}`` variable; every selector carries
-the dashboard's ``job``, ``instance`` and ``engine`` filters (:func:`sel`); counters go
+the dashboard's ``job`` and ``instance`` filters (:func:`sel`); counters go
 through :func:`rate` / :func:`increase` over ``$__rate_interval``. Grafana fills in
 every option left out here with its default, which keeps the JSON short.
 """
@@ -13,7 +13,9 @@ from typing import Any
 Json = dict[str, Any]
 
 DATASOURCE: Json = {"type": "prometheus", "uid": "${datasource}"}
-FILTERS = 'job=~"$job", instance=~"$instance", engine=~"$engine"'
+# Only labels Prometheus attaches to every scraped series: kvguard's own series carry
+# no label naming the engine (one sidecar per engine, so an instance is an engine).
+FILTERS = 'job=~"$job", instance=~"$instance"'
 RATE_WINDOW = "[$__rate_interval]"
 TTE_CAP_S = 600  # time-to-exhaustion graphs draw "not rising" (+Inf) at this cap
 
@@ -252,7 +254,7 @@ def table(
         {
             "id": "organize",
             "options": {
-                "excludeByName": {"Time": True, "engine": True},
+                "excludeByName": {"Time": True},
                 "renameByName": columns,
                 "indexByName": order,
             },
@@ -357,7 +359,6 @@ def query_variable(
     query: str,
     *,
     multi: bool = True,
-    all_value: str | None = None,
 ) -> Json:
     """A variable filled from label values (``label_values(selector, label)``)."""
     return {
@@ -371,7 +372,8 @@ def query_variable(
         "refresh": 2,
         "multi": multi,
         "includeAll": multi,
-        "allValue": all_value,
+        # 'All' lists the values found, never .*: up{job=~"$job"} stays on kvguard's jobs.
+        "allValue": None,
         "current": {},
         "options": [],
         "regex": "",
@@ -381,32 +383,27 @@ def query_variable(
 
 
 def variables(*, multi_instance: bool) -> list[Json]:
-    """datasource, job, engine, instance: each narrows the next."""
+    """datasource, job, instance: each narrows the next.
+
+    Both read labels every kvguard series has once scraped (``job`` and ``instance``);
+    a variable on a label kvguard does not export would offer nothing to pick.
+    """
     return [
         datasource_variable(),
         query_variable(
             "job",
             "Job",
             "Prometheus jobs scraping kvguard (those with kvguard_build_info). 'All' lists "
-            "the values, so up{} panels never match other jobs.",
+            "the values, so up{} panels never match other jobs. To tell engine kinds "
+            "apart, scrape each under its own kvguard-* job (see docs/monitoring.md).",
             "label_values(kvguard_build_info, job)",
-        ),
-        query_variable(
-            "engine",
-            "Engine",
-            "kvguard's own series carry no engine label: give each kvguard target one in "
-            "the scrape config (static_configs labels: engine: vllm, see docs/monitoring.md) "
-            "to filter by engine. Without it only 'All' is offered, and 'All' (.*) also "
-            "matches series that have no engine label.",
-            'label_values(kvguard_build_info{job=~"$job"}, engine)',
-            all_value=".*",
         ),
         query_variable(
             "instance",
             "Instance",
             "kvguard sidecars (host:port of their /metrics)"
             + ("." if multi_instance else "; one at a time here, many in kvguard / Fleet."),
-            'label_values(kvguard_build_info{job=~"$job", engine=~"$engine"}, instance)',
+            'label_values(kvguard_build_info{job=~"$job"}, instance)',
             multi=multi_instance,
         ),
     ]

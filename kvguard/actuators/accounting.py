@@ -181,6 +181,14 @@ class InflightRequest:
     # engine's count (from its answer's usage or /tokenize) is remembered when it comes.
     prompt_key: int | None = None
     prompt_counted: bool = False  # prompt_tokens came from the answer's usage
+    # Admission "observed": the answer tokens reserved (all sequences), below
+    # max_tokens when answers of this kind use less; None: max_tokens is the reservation.
+    reserved_output: int | None = None
+    sequences: int = 1  # prompts x samples (n, best_of): answers the engine writes
+    # (model, route, priority): whose answer lengths this one's is learned with.
+    kind: tuple[str, str, str] | None = None
+    completed: bool = False  # the engine's whole answer arrived with a 200
+    reserved_from: str = ""  # how the reservation was sized, in words (for reasons)
 
     @property
     def footprint_tokens(self) -> int:
@@ -189,8 +197,18 @@ class InflightRequest:
 
     @property
     def projected_tokens(self) -> int:
-        """Tokens it will hold at the end (prompt + max_tokens when known)."""
-        return self.prompt_tokens + max(self.max_tokens or 0, self.generated)
+        """Tokens it will hold at the end: prompt + the answer reserved (or max_tokens).
+
+        Never less than what it holds now: an answer longer than its reservation
+        grows it as it streams.
+        """
+        reserved = self.reserved_output if self.reserved_output is not None else self.max_tokens
+        return self.prompt_tokens + max(reserved or 0, self.generated)
+
+    @property
+    def output_per_sequence(self) -> int:
+        """The answer's tokens per sequence (``n`` answers share the count)."""
+        return -(-self.generated // max(self.sequences, 1))
 
 
 class Inflight:

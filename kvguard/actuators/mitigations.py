@@ -98,6 +98,15 @@ class Mitigations:
     # The engine's usable KV pool, refreshed every tick: what the proxy admits against.
     pool_tokens: int | None = None
     block_size: int = 16
+    # The engine's own count of KV tokens in use at the last tick: admission's floor
+    # for what is in flight (traffic past the proxy, answers over their reservation).
+    engine_used_tokens: int | None = None
+    # The longest sequence the engine serves ([model] max_model_len), when known: the
+    # ceiling of an answer that sets no max_tokens.
+    context_tokens: int | None = None
+    # What a typical request of the current traffic needs, prompt + answer (the
+    # proxy's learned lengths; None: not enough seen): the floor of a window cap.
+    typical_request_tokens: Callable[[], int | None] | None = field(default=None, repr=False)
     # The fp8 switch's drain: every generation request is refused until it ends.
     draining: bool = False
     drain_retry_after_s: int = 60

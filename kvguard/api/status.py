@@ -90,6 +90,8 @@ def _pressure(daemon: Daemon) -> dict[str, Any] | None:
         "mode": brain.mode,
         "level": decision.level,
         "level_for_s": round(decision.t - decision.state.level_since, 3),
+        # What limits the engine: kv_cache, compute (a queue with room in the cache), none.
+        "binding_resource": decision.binding,
         "crossed": list(decision.crossed),
         "deferred": list(decision.deferred),
         "pattern": pattern.pattern,
@@ -165,6 +167,14 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
         "inflight_requests": len(proxy.inflight),
         "waiting_requests": proxy.waiting,
         "inflight_kv_tokens": proxy.inflight.total_tokens,
+        "admission": proxy.settings.admission,
+        # What each kind of request's answers really use (the reservations of "observed").
+        "answer_lengths": {
+            "quantile": proxy.settings.reserve_quantile,
+            "min_samples": proxy.settings.reserve_min_samples,
+            "typical_request_tokens": proxy.lengths.typical_request_tokens(),
+            "kinds": proxy.lengths.snapshot(),
+        },
         # Ids and sizes only: prompt text never leaves the request path.
         "top_inflight": [
             {
@@ -174,6 +184,7 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
                 "generated_tokens": r.generated,
                 "kv_tokens": r.footprint_tokens,
                 "projected_kv_tokens": r.projected_tokens,
+                "reserved_output_tokens": r.reserved_output,
                 "kv_bytes": r.footprint_tokens * per_token if per_token else None,
             }
             for r in proxy.inflight.top(10)

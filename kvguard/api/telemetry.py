@@ -25,7 +25,7 @@ from kvguard.actuators.mitigations import PRIORITIES
 from kvguard.api.metric_families import counter_family, gauge
 from kvguard.api.telemetry_actions import actuator_metrics
 from kvguard.core.pattern import TRAFFIC_PATTERNS
-from kvguard.core.policy import LEVELS
+from kvguard.core.policy import BINDINGS, LEVELS
 from kvguard.core.snapshot import EngineShare
 
 if TYPE_CHECKING:
@@ -327,6 +327,15 @@ class DaemonCollector(Collector):
             for name in LEVELS:
                 state.add_metric([name], 1.0 if name == decision.level else 0.0)
             yield state
+            binding = GaugeMetricFamily(
+                "kvguard_binding_resource",
+                "1 for what limits the engine now: kv_cache, compute (a queue with room"
+                " in the cache) or none.",
+                labels=["resource"],
+            )
+            for resource in BINDINGS:
+                binding.add_metric([resource], 1.0 if resource == decision.binding else 0.0)
+            yield binding
         if pattern is not None:
             family = GaugeMetricFamily(
                 "kvguard_traffic_pattern",

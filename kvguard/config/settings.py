@@ -370,9 +370,19 @@ class ProxyConfig:
         "/readyz answers 503 while shedding at this level (never: not at all)",
     )
     admission: str = setting(
-        "off",
-        choice(("off", "projected")),
-        "projected: admit against the engine's pool, no poll delay",
+        "observed",
+        choice(("observed", "projected", "off")),
+        "admit against the engine's pool, each answer reserved at what its kind"
+        " really uses (projected: at max_tokens)",
+    )
+    reserve_quantile: float = setting(
+        0.95, number(0.5, 1.0, low_open=False), "the quantile of recent answer lengths reserved"
+    )
+    reserve_min_samples: int = setting(
+        20, integer(1), "answers of a kind seen before its lengths replace max_tokens"
+    )
+    reserve_window: int = setting(
+        256, integer(1), "recent answers kept per kind (model, route, priority)"
     )
     admission_ratio: float = setting(
         0.95, number(0.0, 1.0), "the share of the pool admission fills"

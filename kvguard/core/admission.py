@@ -6,10 +6,12 @@ caps in force and the ``[proxy]`` settings. Waiting, counting, logging and the H
 answers stay in the proxy: here nothing is awaited and no clock is read, so every
 rule can be tested with plain numbers.
 
-Terms: a request's *projection* is its prompt plus ``max_tokens`` (what it will hold
-at most), summed over its sequences (:func:`sequence_totals`), in whole KV blocks;
-*in flight* is the sum of the projections of the requests the engine has now; the
-*pool* is the engine's usable KV cache in tokens, ``None`` while unknown.
+Terms: a request's *projection* is its prompt plus the answer reserved for it
+(:func:`reserved_answer`: what answers of its kind really use, or ``max_tokens``),
+summed over its sequences (:func:`sequence_totals`), in whole KV blocks; *in flight*
+is the sum of the projections of the requests the engine has now, never less than
+what the engine says it holds (:func:`in_flight_tokens`); the *pool* is the engine's
+usable KV cache in tokens, ``None`` while unknown.
 """
 
 from __future__ import annotations
@@ -120,6 +122,29 @@ def sequence_totals(
     return prompt, max_tokens * sequences
 
 
+def reserved_answer(
+    max_tokens: int | None, learned: int | None, context_room: int | None
+) -> tuple[int, str]:
+    """Tokens to reserve for one sequence's answer, and where the figure comes from.
+
+    The ceiling is what the sequence may really write: ``max_tokens``, else the room
+    left in the engine's context (``context_room``), else ``UNKNOWN_MAX_TOKENS``.
+    Under it, the ``learned`` length (a high quantile of recent answers of this kind
+    of request) when there is one; without one, the ceiling itself (the
+    conservative prior). Returns ``(tokens, source)``, source one of ``observed``,
+    ``max_tokens``, ``context`` or ``default``.
+    """
+    if max_tokens is not None:
+        ceiling, source = max_tokens, "max_tokens"
+    elif context_room is not None:
+        ceiling, source = max(context_room, 0), "context"
+    else:
+        ceiling, source = UNKNOWN_MAX_TOKENS, "default"
+    if learned is not None and learned < ceiling:
+        return max(learned, 1), "observed"
+    return ceiling, source
+
+
 def whole_blocks(tokens: int, block_size: int) -> int:
     """``tokens`` rounded up to whole KV blocks of ``block_size`` (engines allocate blocks)."""
     return -(-tokens // block_size) * block_size
@@ -154,13 +179,17 @@ def may_hold(held_tokens: int, pool: int | None, shed_ratio: float, own: int = 0
     return held_tokens < share * HELD_POOLS
 
 
-def admission_enforced(mode: str, *, enforcing: bool, pool: int | None) -> bool:
-    """Whether projected admission checks each request against the pool now.
+ADMISSION_MODES = ("observed", "projected", "off")
 
-    Only with ``admission = "projected"``, while enforcing (not dry-run), and
-    against a known pool.
+
+def admission_enforced(mode: str, *, enforcing: bool, pool: int | None) -> bool:
+    """Whether admission checks each request against the pool now.
+
+    With ``admission = "observed"`` (each answer reserved at what answers of its kind
+    really use) or ``"projected"`` (reserved at ``max_tokens``), while enforcing (not
+    dry-run), and against a known pool.
     """
-    return mode == "projected" and enforcing and pool is not None
+    return mode in ("observed", "projected") and enforcing and pool is not None
 
 
 def admission_terms(
@@ -178,7 +207,7 @@ def admission_terms(
 
 
 def admits(in_flight: int, own: int, pool: int | None, ratio: float, *, critical: bool) -> bool:
-    """Whether projected admission lets a request of ``own`` tokens in now.
+    """Whether admission lets a request of ``own`` tokens in now.
 
     An unknown pool admits (the pool may become unknown while a request waits: the
     engine went away). A critical request larger than the whole pool would never
@@ -189,3 +218,15 @@ def admits(in_flight: int, own: int, pool: int | None, ratio: float, *, critical
     if critical and not in_flight:
         return True
     return fits_pool(in_flight, own, pool, ratio)
+
+
+def in_flight_tokens(reserved: int, engine_used: int | None) -> int:
+    """What the pool holds and has promised: the proxy's reservations, or the engine's count.
+
+    The engine's own count of KV tokens in use (read every tick) is the floor: it
+    sees traffic that bypasses the proxy and answers longer than their reservation,
+    so an under-estimate is corrected within one tick. Reservations are given back
+    the moment each answer ends, which the proxy sees before the engine's next
+    reading.
+    """
+    return reserved if engine_used is None else max(reserved, engine_used)

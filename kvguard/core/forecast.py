@@ -70,6 +70,7 @@ class Forecast:
     preemptions_per_s: float | None = None
     mean_prompt_tokens: float | None = None
     mean_request_tokens: float | None = None
+    requests_waiting: float | None = None  # the engine's queue at the last tick
 
     @property
     def kv_usage_ratio(self) -> float | None:
@@ -138,6 +139,7 @@ def forecast(
         preemptions_per_s=_rate(recent, "preemptions_total"),
         mean_prompt_tokens=mean_prompt,
         mean_request_tokens=mean_request,
+        requests_waiting=last.requests_waiting,
     )
 
 

@@ -51,6 +51,10 @@ ACTION_KINDS: tuple[ActionKind, ...] = (
     "release",
 )
 Priority = Literal["sheddable", "standard"]
+# What limits the engine now: its KV cache, its compute (a queue with room in the
+# cache), or nothing.
+Binding = Literal["kv_cache", "compute", "none"]
+BINDINGS: tuple[Binding, ...] = ("kv_cache", "compute", "none")
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,10 @@ class Signals:
     gpu_time_to_exhaustion_s: float
     preemptions_per_s: float | None
     kv_capacity_tokens: float | None
+    queued_tokens: float | None = None  # the engine's waiting prompts, in tokens
+    requests_waiting: float | None = None  # the engine's queue (sizes may be unknown)
+    # A high quantile of recent requests' prompt + answer: a window cap never goes under.
+    typical_request_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -164,6 +172,32 @@ class Decision:
     deferred: tuple[str, ...]
     signals: Signals
     state: GuardState
+    binding: Binding = "none"
+
+
+def binding_of(signals: Signals, policy: PolicyConfig) -> Binding:
+    """Which resource limits the engine now, from what the engine is refusing.
+
+    The KV cache binds when it turns work away: preemptions, a queue while the cache
+    is past ``elevated``'s usage, or queued prompts that cannot fit the room left
+    (demand over the whole pool). A queue
+    with room in the cache is compute (the engine's batch limits or its speed): its
+    queue is the right place for that work, and shedding on KV signals would only
+    lose requests. A full cache with nothing waiting is a pool in use, not pressure.
+    """
+    if (signals.preemptions_per_s or 0.0) > 0:
+        return "kv_cache"
+    queued = (signals.queued_tokens or 0.0) > 0 or (signals.requests_waiting or 0.0) > 0
+    if not queued:
+        return "none"
+    usage = signals.kv_usage
+    nearly_full = policy.elevated.kv_usage if policy.elevated.kv_usage is not None else 0.8
+    if usage is not None and usage >= nearly_full:
+        return "kv_cache"
+    demand = signals.kv_demand
+    if demand is not None and demand >= 1:
+        return "kv_cache"  # what waits cannot fit what is left, whatever runs now
+    return "compute"
 
 
 def signals_of(forecast: Forecast) -> Signals:
@@ -182,24 +216,45 @@ def signals_of(forecast: Forecast) -> Signals:
         gpu_time_to_exhaustion_s=gpu.time_to_exhaustion_s,
         preemptions_per_s=forecast.preemptions_per_s,
         kv_capacity_tokens=forecast.kv.capacity,
+        queued_tokens=forecast.queue_demand_tokens,
+        requests_waiting=forecast.requests_waiting,
     )
 
 
 def crossed(
-    signals: Signals, t: LevelThresholds, policy: PolicyConfig, *, exit_: bool = False
+    signals: Signals,
+    t: LevelThresholds,
+    policy: PolicyConfig,
+    *,
+    exit_: bool = False,
+    binding: Binding | None = None,
+    level: Level = "elevated",
 ) -> list[str]:
-    """The thresholds ``signals`` are past: entry thresholds, or (``exit_``) the lower exit ones."""
+    """The thresholds ``signals`` are past: entry thresholds, or (``exit_``) the lower exit ones.
+
+    ``level`` is the level ``t`` belongs to. Past ``elevated`` (an alert), the KV
+    signals count only while the KV cache binds (``binding``, :func:`binding_of`;
+    None: not asked): a full pool nothing waits for, or a queue the cache has room
+    for, is no reason to shed. And a trend alone never reaches ``critical``: time
+    to exhaustion counts there only in a cache already past ``high``'s usage.
+    """
     out: list[str] = []
     margin = policy.exit_usage_margin if exit_ else 0.0
     factor = policy.exit_tte_factor if exit_ else 1.0
+    kv_counts = level == "elevated" or binding in (None, "kv_cache")
     # Queued requests are admitted the moment blocks free, so usage to come (demand)
     # is judged like usage: a burst in the queue is pressure before it is in the cache.
     name, usage = "kv_usage", signals.kv_usage
     if signals.kv_demand is not None and (usage is None or signals.kv_demand > usage):
         name, usage = "kv_demand", signals.kv_demand
+    if not kv_counts:
+        usage = None
     if t.kv_usage is not None and usage is not None and usage >= t.kv_usage - margin:
         out.append(f"{name} {usage:.3f} >= {t.kv_usage - margin:.3f}")
-    if t.time_to_exhaustion_s is not None and usage is not None and usage >= policy.tte_min_usage:
+    trend_floor = policy.tte_min_usage
+    if level == "critical":
+        trend_floor = max(trend_floor, policy.high.kv_usage or 0.0)
+    if t.time_to_exhaustion_s is not None and usage is not None and usage >= trend_floor:
         limit = t.time_to_exhaustion_s * factor
         for name, tte in (
             ("kv", signals.time_to_exhaustion_s),
@@ -225,28 +280,47 @@ def decide(
     pattern: TrafficPattern,
     policy: PolicyConfig,
     state: GuardState,
+    *,
+    typical_request_tokens: int | None = None,
 ) -> Decision:
-    """One tick of the ladder: the new level, the plan and the next state."""
+    """One tick of the ladder: the new level, the plan and the next state.
+
+    ``typical_request_tokens`` (a high quantile of recent requests' prompt + answer,
+    when the proxy has seen enough) is the least a window cap leaves.
+    """
     signals = signals_of(forecast)
+    if typical_request_tokens is not None:
+        signals = replace(signals, typical_request_tokens=typical_request_tokens)
+    binding = binding_of(signals, policy)
     previous = state.level
-    target, reasons = _target_level(signals, policy)
-    level, state = _next_level(now, target, signals, policy, state)
+    target, reasons = _target_level(signals, policy, binding)
+    level, state = _next_level(now, target, signals, policy, state, binding=binding)
     plan, deferred, state = _plan(now, level, pattern, signals, policy=policy, state=state)
-    return Decision(now, level, previous, pattern, plan, tuple(reasons), deferred, signals, state)
+    return Decision(
+        now, level, previous, pattern, plan, tuple(reasons), deferred, signals, state, binding
+    )
 
 
-def _target_level(signals: Signals, policy: PolicyConfig) -> tuple[Level, list[str]]:
+def _target_level(
+    signals: Signals, policy: PolicyConfig, binding: Binding
+) -> tuple[Level, list[str]]:
     for level in reversed(LEVELS[1:]):
         thresholds = policy.thresholds(level)
         assert thresholds is not None  # noqa: S101 - every level but ok has thresholds
-        found = crossed(signals, thresholds, policy)
+        found = crossed(signals, thresholds, policy, binding=binding, level=level)
         if found:
             return level, [f"{level}: {reason}" for reason in found]
     return "ok", []
 
 
 def _next_level(
-    now: float, target: Level, signals: Signals, policy: PolicyConfig, state: GuardState
+    now: float,
+    target: Level,
+    signals: Signals,
+    policy: PolicyConfig,
+    state: GuardState,
+    *,
+    binding: Binding,
 ) -> tuple[Level, GuardState]:
     current = state.level
     rank, target_rank = LEVELS.index(current), LEVELS.index(target)
@@ -270,7 +344,7 @@ def _next_level(
         return current, state
     thresholds = policy.thresholds(current)
     assert thresholds is not None  # noqa: S101 - current is not ok
-    if crossed(signals, thresholds, policy, exit_=True):
+    if crossed(signals, thresholds, policy, exit_=True, binding=binding, level=current):
         return current, replace(state, calm_since=None)
     calm_since = state.calm_since if state.calm_since is not None else now
     if now - calm_since < policy.hold_s:
@@ -361,7 +435,10 @@ def _action(
     if kind == "tighten_window":
         share = policy.window_share_critical if level == "critical" else policy.window_share_high
         capacity = signals.kv_capacity_tokens or 0.0
-        cap = max(policy.min_window_tokens, math.floor(capacity * share))
+        # Never under what a typical request of the current traffic needs: a cap
+        # below it refuses most requests (400), which loses them as a shed would.
+        typical = signals.typical_request_tokens or 0
+        cap = max(policy.min_window_tokens, math.floor(capacity * share), typical)
         return Action(
             "tighten_window",
             reason,

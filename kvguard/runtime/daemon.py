@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -176,6 +177,8 @@ class Daemon(BudgetKeeping):
             actuators.set_kind(self.probes.engine.kind)
             self.brain.unavailable = actuators.unavailable()
         self.brain.step(snapshot, self.wall_clock())
+        # The engine's fresh count of what it holds may leave room for requests waiting.
+        self._recheck_held_requests()
 
     def _record(self, snapshot: Snapshot, started: float) -> None:
         """Publish the tick for the exporter and /status; report a tick that overran."""
@@ -266,7 +269,29 @@ class Daemon(BudgetKeeping):
         for gpu in snapshot.gpus or ():
             if gpu.total_bytes and gpu.free_bytes / gpu.total_bytes <= FAST_POLL_GPU_FREE_RATIO:
                 return poll.min_interval_s
-        return poll.interval_s
+        return self._interval_for_headroom(poll.min_interval_s, poll.interval_s)
+
+    def _interval_for_headroom(self, shortest: float, longest: float) -> float:
+        """The time the headroom lasts at the worst fill rate seen, clamped (earlyoom's rule).
+
+        Headroom is the KV tokens left under ``high``'s usage threshold; the worst
+        fill rate is the larger of the demand's slope and the engine's prompt +
+        answer token rates (what could arrive if nothing finished). A burst that
+        could fill the headroom within one interval is then seen within it.
+        """
+        fc = self.brain.forecast
+        if fc is None or fc.kv.level is None or not fc.kv.capacity:
+            return longest
+        threshold = self.config.policy.high.kv_usage or FAST_POLL_KV_USAGE
+        headroom = threshold * fc.kv.capacity - fc.kv.level
+        fills = (
+            fc.kv.slope_per_s,
+            (fc.prompt_fill_per_s or 0.0) + (fc.generation_fill_per_s or 0.0),
+        )
+        worst = max((f for f in fills if f is not None and math.isfinite(f)), default=0.0)
+        if worst <= 0:
+            return longest
+        return min(longest, max(shortest, headroom / worst))
 
     def maybe_trim_heap(self) -> None:
         """Return freed heap memory to the kernel if ``TRIM_EVERY_S`` passed since the last time."""

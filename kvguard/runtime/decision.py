@@ -161,8 +161,14 @@ class Brain:
             self.guard = replace(self.guard, level_since=snapshot.taken_at)
         self.forecast = forecast(samples, config.forecast)
         self.pattern = classify(samples, PatternThresholds(window_s=config.pattern_window_s))
+        typical = self.mitigations.typical_request_tokens
         decision = decide(
-            snapshot.taken_at, self.forecast, self.pattern.pattern, self._policy(), self.guard
+            snapshot.taken_at,
+            self.forecast,
+            self.pattern.pattern,
+            self._policy(),
+            self.guard,
+            typical_request_tokens=typical() if typical is not None else None,
         )
         self.guard = decision.state
         self.decision = decision
@@ -288,6 +294,8 @@ class Brain:
         pool = (blocks - 1) * block if blocks and block else engine.kv_capacity_tokens
         self.mitigations.block_size = block or 16
         self.mitigations.pool_tokens = pool
+        self.mitigations.engine_used_tokens = engine.kv_used_tokens
+        self.mitigations.context_tokens = self.config.model.max_model_len
 
     def _retry_after_s(self) -> int:
         """Seconds until shed clients should retry: the excess demand over the drain rate."""
@@ -309,6 +317,8 @@ class Brain:
             "gpu_free_ratio": decision.signals.gpu_free_ratio,
             "gpu_time_to_exhaustion_s": decision.signals.gpu_time_to_exhaustion_s,
             "preemptions_per_s": decision.signals.preemptions_per_s,
+            "queued_tokens": decision.signals.queued_tokens,
+            "binding": decision.binding,
         }
         record = DecisionRecord(
             wall_time,

@@ -727,7 +727,10 @@ async def test_projected_admission_waits_for_room_then_sheds(sim_server, proxy_t
             headers={"X-Priority": "sheddable"},
         ) as resp:
             assert resp.status == 503
-            assert "KV pool is full" in (await resp.json())["error"]["message"]
+            # The reason in numbers: 704 in flight + its own 704, against the pool.
+            message = (await resp.json())["error"]["message"]
+            assert "projected 1,408 of 1,000 KV tokens with it" in message
+            assert "reserved at 300 output tokens (max_tokens)" in message
         # Critical requests are never shed: this one waits for the first to finish.
         async with http.post(
             f"{proxy}/v1/completions", json=completion(400, 5), headers={"X-Priority": "critical"}

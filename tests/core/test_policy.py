@@ -17,14 +17,33 @@ CAPACITY = 100_000.0
 POLICY = PolicyConfig()
 
 
+# Prompt tokens waiting in the engine's queue, unless a test says: too few to change the
+# demand (the level below stays what is in use, so reasons read kv_usage).
+QUEUED = 1.0
+
+
 def fc(
-    usage: float, tte: float = math.inf, gpu_free: float = 0.5, preemptions: float = 0.0
+    usage: float,
+    tte: float = math.inf,
+    gpu_free: float = 0.5,
+    preemptions: float = 0.0,
+    queued: float = QUEUED,
 ) -> Forecast:
-    """A forecast of KV usage, time to exhaustion, GPU free share and preemption rate."""
+    """A forecast of KV usage, time to exhaustion, GPU free share, preemptions and queue.
+
+    By default something waits in the engine's queue (``queued`` prompt tokens): a
+    cache past ``elevated``'s usage then binds (``binding_of``).
+    """
     used = usage * CAPACITY
     kv = ResourceForecast(used, CAPACITY, CAPACITY * 0.98, 0.0, {}, tte)
     gpu = ResourceForecast((1 - gpu_free) * 80.0, 80.0, 79.0, 0.0, {}, math.inf)
-    return Forecast(kv=kv, gpu=gpu, kv_used_tokens=used, preemptions_per_s=preemptions)
+    return Forecast(
+        kv=kv,
+        gpu=gpu,
+        kv_used_tokens=used,
+        preemptions_per_s=preemptions,
+        queue_demand_tokens=queued,
+    )
 
 
 def run(usages, *, pattern="steady", policy=POLICY, state=None, dt=0.5, start=0.0):
@@ -94,9 +113,13 @@ def test_bursty_critical_sheds_standard_traffic():
 
 
 def test_a_trend_alone_never_escalates():
-    """A short time to exhaustion at low usage stays ok; with usage it escalates."""
+    """A short time to exhaustion at low usage stays ok; with usage it escalates, so far."""
     assert run([fc(0.3, tte=5.0)] * 5)[-1].level == "ok"
-    assert run([fc(0.6, tte=5.0)] * 5)[-1].level == "critical"
+    # Past tte_min_usage the trend is an alert, no more: the cache does not bind yet.
+    assert run([fc(0.6, tte=5.0)] * 5)[-1].level == "elevated"
+    # A trend alone never reaches critical: it takes a cache past high's usage.
+    assert run([fc(0.85, tte=5.0)] * 5)[-1].level == "high"
+    assert run([fc(0.92, tte=5.0)] * 5)[-1].level == "critical"
 
 
 def test_hysteresis_does_not_flap_on_a_sawtooth():
@@ -201,8 +224,52 @@ def test_a_queue_that_overflows_the_pool_escalates_at_once():
     """Queued prompts count as demand; demand past the pool needs no confirmation."""
     kv = ResourceForecast(0.3 * CAPACITY + 0.9 * CAPACITY, CAPACITY, CAPACITY * 0.98, 0.0, {}, 0.0)
     gpu = ResourceForecast(None, None, None, None)
-    burst = Forecast(kv=kv, gpu=gpu, kv_used_tokens=0.3 * CAPACITY)
+    burst = Forecast(
+        kv=kv, gpu=gpu, kv_used_tokens=0.3 * CAPACITY, queue_demand_tokens=0.9 * CAPACITY
+    )
     decision = decide(0.0, burst, "bursty_short", POLICY, GuardState())
     assert decision.level == "critical"
+    assert decision.binding == "kv_cache"
     assert "critical: kv_demand 1.200 >= 0.970" in decision.crossed
     assert [(a.kind, a.priority) for a in decision.plan] == [("shed", "standard")]
+
+
+def test_a_full_pool_nothing_waits_for_is_an_alert_not_pressure():
+    """Usage past high with an empty queue and no preemption: elevated, nothing shed.
+
+    An engine running its pool at 92% with nothing waiting is using what it paid
+    for; shedding then would only lose requests (the underload control's peaks).
+    """
+    decisions = run([fc(0.92, queued=0.0)] * 10)
+    assert {d.level for d in decisions[2:]} == {"elevated"}
+    assert all(d.plan == () for d in decisions)
+    assert {d.binding for d in decisions} == {"none"}
+
+
+def test_a_queue_with_room_in_the_cache_is_compute_and_never_sheds():
+    """A long queue while the cache has room: compute binds; no KV level past elevated."""
+    decisions = run([fc(0.4, tte=5.0, queued=0.5 * CAPACITY)] * 10)
+    assert {d.binding for d in decisions} == {"compute"}
+    assert all(d.plan == () for d in decisions)
+    assert all(d.level in ("ok", "elevated") for d in decisions)
+
+
+def test_preemptions_mean_the_kv_cache_binds_whatever_the_usage():
+    """The engine evicting running sequences is the KV cache turning work away."""
+    decision = run([fc(0.5, preemptions=3.0, queued=0.0)] * 3)[-1]
+    assert decision.binding == "kv_cache"
+    assert decision.level == "critical"
+
+
+def test_a_window_cap_never_goes_under_a_typical_request():
+    """The cap is the larger of its share of the pool and a typical request's size."""
+    forecast = fc(0.92)
+    state = GuardState()
+    for t in (0.0, 0.5, 1.0):
+        decision = decide(t, forecast, "long_context", POLICY, state, typical_request_tokens=23_456)
+        state = decision.state
+    window = next(a for a in decision.plan if a.kind == "tighten_window")
+    assert (window.max_prompt_tokens, window.max_tokens) == (23_456, 23_456)
+    # Without a typical size, the share of the pool (10% of 100,000) as before.
+    decision = run([0.92] * 3, pattern="long_context")[-1]
+    assert next(a for a in decision.plan if a.kind == "tighten_window").max_tokens == 10_000

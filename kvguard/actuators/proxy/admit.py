@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,7 +24,7 @@ import structlog
 from aiohttp import web
 
 from kvguard.actuators.accounting import Inflight, InflightRequest
-from kvguard.actuators.mitigations import Mitigations, request_priority
+from kvguard.actuators.mitigations import Mitigations, rank, request_priority
 from kvguard.actuators.proxy import shapes
 from kvguard.actuators.proxy.answers import _error
 from kvguard.actuators.proxy.counting import (
@@ -35,6 +36,7 @@ from kvguard.actuators.proxy.counting import (
 from kvguard.actuators.proxy.screen import _malformed_generation, beside_the_loop, read_json
 from kvguard.actuators.proxy.settings import ProxyCounters, ProxySettings
 from kvguard.core import admission as rules
+from kvguard.core.lengths import ObservedLengths
 
 log = structlog.get_logger("kvguard.proxy")
 
@@ -53,8 +55,11 @@ class Admission:
         inflight: Inflight,
         counters: ProxyCounters,
         counter: PromptCounter,
+        *,
+        lengths: ObservedLengths | None = None,
     ) -> None:
         self.settings = settings
+        self.lengths = lengths if lengths is not None else ObservedLengths()
         self.mitigations = mitigations
         self._inflight = inflight
         self._counters = counters
@@ -65,6 +70,8 @@ class Admission:
         self._room_freed = asyncio.Event()
         self.held_tokens = 0  # projections of shed-class requests held for room
         self.waiting = 0
+        # Requests waiting for admission, by class rank (mitigations.rank).
+        self._waiting_ranks: Counter[int] = Counter()
 
     def wake(self) -> None:
         """Make requests waiting for room re-check now (one ended, or the mitigations changed)."""
@@ -188,6 +195,17 @@ class Admission:
             counts, generation.samples, window.max_tokens
         )
         tracked = InflightRequest(request_id, priority, prompt_total, max_total)
+        tracked.sequences = generation.sequences
+        tracked.kind = _kind_of(payload, request.path, priority)
+        if self.settings.admission == "observed":
+            self._reserve(tracked, window.max_tokens, prompt)
+        else:  # reserved at max_tokens (own() assumes UNKNOWN_MAX_TOKENS without one)
+            asked = window.max_tokens
+            tracked.reserved_from = (
+                f"{asked} output tokens (max_tokens)"
+                if asked is not None
+                else f"{rules.UNKNOWN_MAX_TOKENS} output tokens (default)"
+            )
         if not known.exact and not decides and single:
             tracked.prompt_key = known.key
             # While calm, a whole answer or a stream asked to end with `usage` brings the
@@ -206,15 +224,20 @@ class Admission:
             )
         if not await self.make_room(tracked) and not self.draining():
             self._counters.shed[(priority, "kv_pool_full")] += 1
+            why = self.pool_full_reason(tracked)
             # One line per shed request would flood the log in a burst: debug level;
             # kvguard_requests_shed_total and the `decision` event tell the story.
             log.debug(
-                "request_shed", request_id=request_id, priority=priority, reason="kv_pool_full"
+                "request_shed",
+                request_id=request_id,
+                priority=priority,
+                reason="kv_pool_full",
+                detail=why,
             )
             return _error(
                 503,
-                "kvguard is holding new requests: the engine's KV pool is full with requests"
-                f" in flight; retry after {self.mitigations.retry_after_s} s",
+                f"kvguard shed this {priority} request: {why};"
+                f" retry after {self.mitigations.retry_after_s} s",
                 "server_overloaded",
                 code="kv_cache_pressure",
                 headers={"Retry-After": str(self.mitigations.retry_after_s)},
@@ -224,6 +247,39 @@ class Admission:
             # engine is about to restart, so it must not be forwarded now.
             return self.refuse_draining(priority)
         return body, tracked
+
+    def _reserve(self, tracked: InflightRequest, max_tokens: int | None, prompt: int) -> None:
+        """Reserve ``tracked``'s answers at what answers of its kind really use.
+
+        Per sequence: under ``max_tokens`` (else the room the engine's context leaves
+        the longest prompt), the learned quantile once enough answers were seen.
+        """
+        context = self.mitigations.context_tokens
+        learned = self.lengths.estimate(tracked.kind) if tracked.kind is not None else None
+        per_sequence, source = rules.reserved_answer(
+            max_tokens,
+            learned.tokens if learned is not None else None,
+            context - prompt if context is not None else None,
+        )
+        tracked.reserved_output = per_sequence * max(tracked.sequences, 1)
+        tracked.reserved_from = (
+            learned.describe(self.settings.reserve_quantile)
+            if source == "observed" and learned is not None
+            else f"{per_sequence} output tokens ({source})"
+        )
+
+    def pool_full_reason(self, tracked: InflightRequest) -> str:
+        """Why ``tracked`` found no room, in numbers a person can check.
+
+        ``projected 14,900 of 12,042 KV tokens (p95 output 310 tokens (of 240 answers))``.
+        """
+        pool = self.mitigations.pool_tokens
+        wanted = self.in_flight() + self.own(tracked)
+        sized = f"; its answer reserved at {tracked.reserved_from}" if tracked.reserved_from else ""
+        return (
+            f"projected {wanted:,} of {pool or 0:,} KV tokens with it, after waiting"
+            f" {self.settings.admission_wait_s:g} s for room{sized}"
+        )
 
     def window_for(self, priority: str) -> tuple[int | None, int | None]:
         """The (prompt, completion) caps in force for ``priority`` now (none for critical)."""
@@ -284,8 +340,13 @@ class Admission:
         pool = mitigations.pool_tokens
         if pool is None:
             return False  # no room to show; and no need to sum what is in flight
-        in_flight = self._inflight.projected_tokens(mitigations.block_size)
-        return rules.fits_pool(in_flight, own, pool, ratio)
+        return rules.fits_pool(self.in_flight(), own, pool, ratio)
+
+    def in_flight(self) -> int:
+        """Tokens in flight: the requests' projections, never under the engine's own count."""
+        mitigations = self.mitigations
+        reserved = self._inflight.projected_tokens(mitigations.block_size)
+        return rules.in_flight_tokens(reserved, mitigations.engine_used_tokens)
 
     def may_hold(self, own: int = 0) -> bool:
         """Whether a request of a shed class (``own`` tokens, 0 while not yet known) may be held."""
@@ -367,19 +428,30 @@ class Admission:
             read_timeout_s=settings.read_timeout_s,
         )
         own = self.own(tracked)
+        own_rank = rank(tracked.priority)
 
         def fits() -> bool:
+            # Room that frees goes to the highest class waiting for it first: a lower
+            # class waits while a higher one does (it would take the room first).
+            if any(n for r, n in self._waiting_ranks.items() if r > own_rank):
+                return False
             # Re-read at each check: the pool may become unknown while waiting.
-            block = mitigations.block_size
             return rules.admits(
-                self._inflight.projected_tokens(block),
+                self.in_flight(),
                 own,
                 mitigations.pool_tokens,
                 terms.ratio,
                 critical=critical,
             )
 
-        return await self.wait_until(fits, terms.wait_s)
+        if fits():
+            return True
+        self._waiting_ranks[own_rank] += 1
+        try:
+            return await self.wait_until(fits, terms.wait_s)
+        finally:
+            self._waiting_ranks[own_rank] -= 1
+            self.wake()  # a lower class waiting behind this one may go now
 
 
 def _reads_as_chat(shape: str, payload: object) -> bool:
@@ -397,3 +469,13 @@ def _measure_all(payload: dict[str, Any], generation: shapes.Generation) -> list
         measure_prompt(payload, chat=generation.chat, subject=prompt)
         for prompt in generation.prompts
     ]
+
+
+def _kind_of(payload: Mapping[str, Any], path: str, priority: str) -> tuple[str, str, str]:
+    """(model, route, priority): the kind of request whose answer lengths are learned together.
+
+    Bounded strings: a client chooses the model's name (the number of kinds kept is
+    bounded by :class:`~kvguard.core.lengths.LengthTerms`).
+    """
+    model = payload.get("model")
+    return (model[:128] if isinstance(model, str) else "", path[:128], priority)

@@ -28,6 +28,7 @@ from kvguard.actuators.proxy.forward import Forwarder, _upstream_headers
 from kvguard.actuators.proxy.screen import ALLOWED_METHODS, ROUTE_KEY, screen_request
 from kvguard.actuators.proxy.settings import ProxyCounters, ProxySettings
 from kvguard.config.fields import is_loopback
+from kvguard.core.lengths import LengthTerms, ObservedLengths
 from kvguard.http_client import client_session
 
 log = structlog.get_logger("kvguard.proxy")
@@ -57,8 +58,17 @@ class AdmissionProxy:
         # Counting and forwarding share one pooled session: session() is passed, not
         # the session, so a closed one is replaced for both.
         self._counter = PromptCounter(self.session, upstream)
+        # Recent answer lengths per kind of request: kept in kvguard, so they outlive
+        # an engine restart (not a kvguard restart).
+        self.lengths = ObservedLengths(
+            LengthTerms(
+                quantile=settings.reserve_quantile,
+                min_samples=settings.reserve_min_samples,
+                window=settings.reserve_window,
+            )
+        )
         self._admission = Admission(
-            settings, mitigations, self.inflight, self.counters, self._counter
+            settings, mitigations, self.inflight, self.counters, self._counter, lengths=self.lengths
         )
         self._forwarder = Forwarder(
             upstream,
@@ -68,8 +78,10 @@ class AdmissionProxy:
             counters=self.counters,
             counter=self._counter,
             finished=self._admission.wake,
+            lengths=self.lengths,
         )
         mitigations.cancel_largest = self.cancel_largest
+        mitigations.typical_request_tokens = self.lengths.typical_request_tokens
 
     @property
     def engine_kind(self) -> str | None:

@@ -25,6 +25,7 @@ from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy.answers import _cancel_code, _cancel_message, _error, _stream_error
 from kvguard.actuators.proxy.counting import PromptCounter, _count_events, _count_usage
 from kvguard.actuators.proxy.settings import ProxyCounters
+from kvguard.core.lengths import ObservedLengths
 
 # Set by the proxy itself from the connection: a client's own would let it pose as
 # another address to an engine that trusts X-Forwarded-* from 127.0.0.1 (uvicorn).
@@ -73,8 +74,10 @@ class Forwarder:
         counters: ProxyCounters,
         counter: PromptCounter,
         finished: Callable[[], None],
+        lengths: ObservedLengths,
     ) -> None:
         self._upstream = upstream
+        self._lengths = lengths
         self._session = session
         self._mitigations = mitigations
         self._inflight = inflight
@@ -145,6 +148,7 @@ class Forwarder:
             if tracked is not None:
                 self._counter.remember_usage(tracked)
                 self._inflight.done(tracked)
+                self._learn(tracked)
                 # A waiting request may fit now: wake them all.
                 self._finished()
 
@@ -209,9 +213,25 @@ class Forwarder:
             return response
         if tracked is not None and not streaming:
             _count_usage(tracked, bytes(kept))
+        if tracked is not None:
+            tracked.completed = upstream.status == 200 and not tracked.cancelled
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
         return response
+
+    def _learn(self, tracked: InflightRequest) -> None:
+        """Remember how long a whole answer was, for the reservations of its kind.
+
+        Only answers that ended with a 200 and a count (the answer's ``usage``, or the
+        stream's tokens): a cut or failed answer says nothing about how long one is.
+        """
+        if tracked.completed and tracked.kind is not None and tracked.generated > 0:
+            per_sequence = tracked.output_per_sequence
+            self._lengths.observe(
+                tracked.kind,
+                per_sequence,
+                tracked.prompt_tokens // max(tracked.sequences, 1) + per_sequence,
+            )
 
     def _while_restarting(self) -> dict[str, str] | None:
         """``Retry-After`` while kvguard knows the engine is restarting, else nothing.

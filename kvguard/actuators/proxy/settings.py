@@ -47,8 +47,13 @@ class ProxySettings:
         _DEFAULTS.upstream_keepalive_s
     )  # under the engine's keep-alive timer
     min_completion_tokens: int = _DEFAULTS.min_completion_tokens
-    # "projected": admit against the engine's pool (see admit.Admission.make_room)
+    # Admit against the engine's pool (see admit.Admission.make_room): "observed"
+    # reserves each answer at what recent answers of its kind used (the quantile
+    # below), "projected" at max_tokens.
     admission: str = _DEFAULTS.admission
+    reserve_quantile: float = _DEFAULTS.reserve_quantile
+    reserve_min_samples: int = _DEFAULTS.reserve_min_samples
+    reserve_window: int = _DEFAULTS.reserve_window
     admission_ratio: float = _DEFAULTS.admission_ratio
     admission_wait_s: float = _DEFAULTS.admission_wait_s
     # While shedding, a request of a shed class is held until the in-flight projections

@@ -1,0 +1,143 @@
+"""What requests really use: recent answer lengths, learned online, bounded in memory.
+
+Clients ask ``max_tokens`` far over what they use (a chat UI sends 4096 for a 300-token
+answer), so reserving the ask for every request leaves most of the KV pool idle, and
+reserving nothing lets a burst overfill it. :class:`ObservedLengths` keeps the answer
+lengths of recent completions per *kind* of request — model, route and priority —
+and answers with a high quantile of them: the reservation an answer of that kind
+gets. Until a kind has ``min_samples`` completions of its own, the broader kinds
+stand in for it (the model and route over all priorities, then the model, then
+everything); with none of them known, there is no estimate and the caller reserves
+the ask (the conservative prior).
+
+Every figure is per sequence (a request with ``n`` = 4 holds four answers), and each
+kind keeps only its ``window`` most recent lengths; at most ``max_kinds`` kinds are
+kept (the least recently seen is forgotten). Nothing here reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+# A kind of request: (model, route, priority). "" stands for "any" in the broader kinds.
+Kind = tuple[str, str, str]
+
+
+@dataclass(frozen=True)
+class LengthTerms:
+    """How answer lengths are learned (``[proxy] reserve_*``)."""
+
+    quantile: float = 0.95
+    min_samples: int = 20
+    window: int = 256
+    max_kinds: int = 64
+
+
+@dataclass(frozen=True)
+class LengthEstimate:
+    """A reservation per sequence, and what it was learned from (for reasons and /status)."""
+
+    tokens: int
+    samples: int
+    kind: Kind
+
+    def describe(self, quantile: float) -> str:
+        """``p95 output 310 tokens (of 240 answers)``: the words a reason uses."""
+        return f"p{quantile * 100:g} output {self.tokens} tokens (of {self.samples} answers)"
+
+
+class _Recent:
+    """The last ``window`` values of one kind, with its quantile computed on demand."""
+
+    __slots__ = ("_quantile", "values")
+
+    def __init__(self, window: int) -> None:
+        self.values: deque[int] = deque(maxlen=window)
+        self._quantile: tuple[float, int] | None = None  # (q, value), until the next add
+
+    def add(self, value: int) -> None:
+        self.values.append(value)
+        self._quantile = None
+
+    def quantile(self, q: float) -> int:
+        cached = self._quantile
+        if cached is not None and cached[0] == q:
+            return cached[1]
+        ordered = sorted(self.values)
+        # Nearest rank: the smallest value at least q of the values are at or under.
+        value = ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+        self._quantile = (q, value)
+        return value
+
+
+class ObservedLengths:
+    """Recent answer lengths per kind of request, and whole request sizes over all kinds."""
+
+    def __init__(self, terms: LengthTerms = LengthTerms()) -> None:
+        self.terms = terms
+        self._kinds: OrderedDict[Kind, _Recent] = OrderedDict()
+        # Prompt + answer of recent requests, all kinds: what a typical request needs.
+        self._sizes = _Recent(terms.window)
+
+    def __len__(self) -> int:
+        """Kinds kept (bounded by ``max_kinds``)."""
+        return len(self._kinds)
+
+    def observe(self, kind: Kind, output_per_sequence: int, request_tokens: int) -> None:
+        """Record one finished answer: its length per sequence, and its whole size.
+
+        Recorded under the kind itself and every broader kind, so a new priority of
+        a known route starts from the route's lengths, not from nothing.
+        """
+        output = max(0, int(output_per_sequence))
+        for key in _broader(kind):
+            recent = self._kinds.get(key)
+            if recent is None:
+                recent = self._kinds[key] = _Recent(self.terms.window)
+                while len(self._kinds) > self.terms.max_kinds:
+                    self._kinds.popitem(last=False)
+            else:
+                self._kinds.move_to_end(key)
+            recent.add(output)
+        self._sizes.add(max(0, int(request_tokens)))
+
+    def estimate(self, kind: Kind) -> LengthEstimate | None:
+        """The ``quantile`` of recent answer lengths of ``kind`` (or the nearest broader kind).
+
+        None while no kind it falls under has ``min_samples`` answers: then the
+        caller reserves what the client asked.
+        """
+        for key in _broader(kind):
+            recent = self._kinds.get(key)
+            if recent is not None and len(recent.values) >= self.terms.min_samples:
+                return LengthEstimate(recent.quantile(self.terms.quantile), len(recent.values), key)
+        return None
+
+    def typical_request_tokens(self) -> int | None:
+        """The ``quantile`` of recent requests' prompt + answer, or None before ``min_samples``."""
+        if len(self._sizes.values) < self.terms.min_samples:
+            return None
+        return self._sizes.quantile(self.terms.quantile)
+
+    def snapshot(self) -> list[dict[str, object]]:
+        """Each kind's estimate and sample count, most recently seen first (for /status)."""
+        out: list[dict[str, object]] = []
+        for (model, route, priority), recent in reversed(self._kinds.items()):
+            out.append(
+                {
+                    "model": model or "*",
+                    "route": route or "*",
+                    "priority": priority or "*",
+                    "samples": len(recent.values),
+                    "output_tokens": recent.quantile(self.terms.quantile),
+                }
+            )
+        return out
+
+
+def _broader(kind: Kind) -> tuple[Kind, ...]:
+    """``kind``, then the same model and route over any priority, the model, everything."""
+    model, route, _ = kind
+    return tuple(dict.fromkeys((kind, (model, route, ""), (model, "", ""), ("", "", ""))))

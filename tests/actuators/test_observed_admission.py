@@ -1,0 +1,141 @@
+"""Admission "observed" (the default): answers reserved at what their kind really uses.
+
+Against the simulated engine on 127.0.0.1, whose answers end at the body's
+``kvguard_sim_output_tokens`` (a true length under ``max_tokens``, as real answers
+stop before the client's over-ask).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvguard.actuators.mitigations import Mitigations
+from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
+from kvguard.sim.openai_api import SIM_OUTPUT_TOKENS_FIELD
+
+
+@pytest.fixture
+async def proxy_to():
+    """A proxy in front of an upstream, served on 127.0.0.1: (URL, proxy)."""
+    runners: list[web.AppRunner] = []
+
+    async def start(upstream: str, mitigations: Mitigations, **settings):
+        proxy = AdmissionProxy(ProxySettings(upstream=upstream, **settings), mitigations)
+        runner = web.AppRunner(proxy.app(), handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        return f"http://127.0.0.1:{runner.addresses[0][1]}", proxy
+
+    yield start
+    for runner in reversed(runners):
+        await runner.cleanup()
+
+
+def body(prompt_words: int, max_tokens: int | None, output: int, **extra) -> dict:
+    """A /v1/completions body whose answer really is ``output`` tokens long."""
+    out = {"prompt": " ".join(["word"] * prompt_words), SIM_OUTPUT_TOKENS_FIELD: output, **extra}
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+    return out
+
+
+async def _learn(http: aiohttp.ClientSession, url: str, answers: int) -> None:
+    """``answers`` whole answers of 40 tokens, asked with max_tokens 1,500."""
+    for _ in range(answers):
+        async with http.post(f"{url}/v1/completions", json=body(100, 1500, 40)) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["usage"]["completion_tokens"] == 40
+
+
+async def test_an_over_asking_client_is_reserved_what_its_answers_use(sim_server, proxy_to):
+    """Five answers of 40 tokens seen: the sixth request reserves 40, not its max_tokens 1,500."""
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
+    mitigations = Mitigations(pool_tokens=4000, block_size=16)
+    url, proxy = await proxy_to(
+        server.url, mitigations, reserve_min_samples=5, reserve_quantile=1.0, admission_wait_s=2
+    )
+    assert proxy.settings.admission == "observed"  # the default
+    async with aiohttp.ClientSession() as http:
+        # The prior: nothing seen yet, so the first reserves its whole max_tokens.
+        first = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body(100, 1500, 40)))
+        running = await _one_in_flight(proxy)
+        assert (running.reserved_output, running.projected_tokens) == (1500, 1600)
+        (await first).close()
+        await _learn(http, url, 4)
+        later = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body(100, 1500, 40)))
+        running = await _one_in_flight(proxy)
+        assert (running.reserved_output, running.projected_tokens) == (40, 140)
+        assert running.reserved_from == "p100 output 40 tokens (of 5 answers)"
+        (await later).close()
+        # Ten such requests at once fit the 4,000-token pool (10 x 144 in whole blocks);
+        # reserved at max_tokens, two would, and the rest would wait or be shed.
+        most = 0
+
+        async def watch() -> None:
+            nonlocal most
+            while True:
+                most = max(most, len(proxy.inflight))
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.ensure_future(watch())
+        answers = await asyncio.gather(
+            *(http.post(f"{url}/v1/completions", json=body(100, 1500, 40)) for _ in range(10))
+        )
+        watcher.cancel()
+        assert [a.status for a in answers] == [200] * 10
+        for answer in answers:
+            answer.close()
+    assert most >= 5, most  # at max_tokens, at most 2 at a time
+    assert proxy.counters.shed == {}
+
+
+async def test_many_sequences_reserve_each_and_a_request_that_cannot_fit_is_told_why(
+    sim_server, proxy_to
+):
+    """``n`` = 200 reserves 200 answers; past the pool it waits, then 503 with the figures."""
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048)
+    mitigations = Mitigations(pool_tokens=4000, block_size=16)
+    url, proxy = await proxy_to(
+        server.url, mitigations, reserve_min_samples=5, reserve_quantile=1.0, admission_wait_s=0.2
+    )
+    async with aiohttp.ClientSession() as http:
+        await _learn(http, url, 5)
+        async with http.post(
+            f"{url}/v1/completions",
+            json=body(10, 1500, 40, n=200),
+            headers={"X-Priority": "standard"},
+        ) as resp:
+            assert resp.status == 503
+            assert resp.headers["Retry-After"]
+            message = (await resp.json())["error"]["message"]
+    # 200 sequences x (10 prompt + 40 answer) = 10,000 tokens, against 4,000.
+    assert "projected 10,000 of 4,000 KV tokens with it" in message
+    assert "reserved at p100 output 40 tokens (of 5 answers)" in message
+    assert proxy.counters.shed[("standard", "kv_pool_full")] == 1
+
+
+async def test_no_max_tokens_reserves_the_room_the_context_leaves(sim_server, proxy_to):
+    """Without max_tokens or anything learned, the answer may fill the engine's context."""
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.01)
+    mitigations = Mitigations(pool_tokens=4000, block_size=16, context_tokens=2048)
+    url, proxy = await proxy_to(server.url, mitigations)
+    async with aiohttp.ClientSession() as http:
+        request = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body(48, None, 20)))
+        running = await _one_in_flight(proxy)
+        assert running.reserved_output == 2048 - 48
+        assert running.reserved_from == "2000 output tokens (context)"
+        (await request).close()
+
+
+async def _one_in_flight(proxy: AdmissionProxy):
+    for _ in range(500):
+        requests = list(proxy.inflight)
+        if requests:
+            return requests[0]
+        await asyncio.sleep(0.005)
+    raise AssertionError("no request reached the engine")

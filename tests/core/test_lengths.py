@@ -1,0 +1,97 @@
+"""Learned answer lengths: quantiles per kind, broader kinds standing in, bounded memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvguard.core import admission as rules
+from kvguard.core.lengths import LengthTerms, ObservedLengths
+
+CHAT = ("llama", "/v1/chat/completions", "standard")
+
+
+def test_no_estimate_until_min_samples_then_the_quantile():
+    """Before min_samples answers there is no estimate (the caller reserves max_tokens)."""
+    lengths = ObservedLengths(LengthTerms(quantile=0.95, min_samples=20, window=100))
+    for tokens in range(1, 20):
+        lengths.observe(CHAT, tokens, tokens + 10)
+    assert lengths.estimate(CHAT) is None
+    lengths.observe(CHAT, 20, 30)
+    estimate = lengths.estimate(CHAT)
+    assert estimate is not None
+    # Nearest rank: 95% of 1..20 are at or under 19.
+    assert (estimate.tokens, estimate.samples, estimate.kind) == (19, 20, CHAT)
+    assert estimate.describe(0.95) == "p95 output 19 tokens (of 20 answers)"
+
+
+def test_only_the_most_recent_window_counts():
+    """Old answers fall out: the traffic changed, so does the reservation."""
+    lengths = ObservedLengths(LengthTerms(quantile=0.5, min_samples=4, window=4))
+    for tokens in (1000, 1000, 1000, 1000, 10, 10, 10, 10):
+        lengths.observe(CHAT, tokens, tokens)
+    estimate = lengths.estimate(CHAT)
+    assert estimate is not None
+    assert estimate.tokens == 10
+
+
+def test_a_new_priority_starts_from_its_route_then_its_model_then_everything():
+    """Broader kinds stand in until a kind has its own min_samples answers."""
+    lengths = ObservedLengths(LengthTerms(quantile=1.0, min_samples=3, window=10))
+    for _ in range(3):
+        lengths.observe(CHAT, 300, 400)
+    critical = ("llama", "/v1/chat/completions", "critical")
+    estimate = lengths.estimate(critical)
+    assert estimate is not None
+    assert (estimate.tokens, estimate.kind) == (300, ("llama", "/v1/chat/completions", ""))
+    other_route = ("llama", "/v1/completions", "standard")
+    assert lengths.estimate(other_route).kind == ("llama", "", "")  # type: ignore[union-attr]
+    other_model = ("qwen", "/v1/completions", "standard")
+    assert lengths.estimate(other_model).kind == ("", "", "")  # type: ignore[union-attr]
+    # Its own answers, once there are enough, replace the broader ones.
+    for _ in range(3):
+        lengths.observe(critical, 50, 60)
+    assert lengths.estimate(critical).tokens == 50  # type: ignore[union-attr]
+
+
+def test_memory_is_bounded_by_kinds_and_window():
+    """A client naming a new model per request cannot grow the statistics without bound."""
+    lengths = ObservedLengths(LengthTerms(min_samples=1, window=8, max_kinds=10))
+    for i in range(1_000):
+        lengths.observe((f"model-{i}", "/v1/completions", "standard"), i, i)
+    assert len(lengths) == 10
+    assert all(kind["samples"] <= 8 for kind in lengths.snapshot())
+
+
+def test_typical_request_size_is_the_quantile_of_prompt_plus_answer():
+    """The window cap's floor: a high quantile of whole requests, all kinds together."""
+    lengths = ObservedLengths(LengthTerms(quantile=0.5, min_samples=3, window=10))
+    assert lengths.typical_request_tokens() is None
+    for total in (100, 200, 300):
+        lengths.observe(CHAT, 10, total)
+    assert lengths.typical_request_tokens() == 200
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "learned", "context_room", "expected"),
+    [
+        (4096, 310, None, (310, "observed")),  # over-asked: what answers really use
+        (200, 310, None, (200, "max_tokens")),  # never over what the client allows
+        (4096, None, None, (4096, "max_tokens")),  # no estimate yet: the conservative prior
+        (None, None, 30_000, (30_000, "context")),  # no max_tokens: the context's room
+        (None, 310, 30_000, (310, "observed")),
+        (None, None, None, (rules.UNKNOWN_MAX_TOKENS, "default")),
+        (None, None, -5, (0, "context")),  # a prompt over the context: nothing left
+    ],
+)
+def test_an_answer_is_reserved_at_the_learned_length_under_its_ceiling(
+    max_tokens, learned, context_room, expected
+):
+    """Learned length under max_tokens, else the context's room, else the default."""
+    assert rules.reserved_answer(max_tokens, learned, context_room) == expected
+
+
+def test_what_is_in_flight_is_never_less_than_the_engine_holds():
+    """The engine's count is the floor: traffic past the proxy, answers over their estimate."""
+    assert rules.in_flight_tokens(5_000, None) == 5_000
+    assert rules.in_flight_tokens(5_000, 8_000) == 8_000
+    assert rules.in_flight_tokens(5_000, 3_000) == 5_000
