@@ -257,7 +257,7 @@ async def test_polls_fast_while_an_escalation_waits_for_confirmation():
 async def test_the_interval_is_the_time_the_headroom_lasts_at_the_worst_fill(
     slope, prompts, expected
 ):
-    """earlyoom's rule: headroom under `high` / the worst fill rate, within [min, interval]."""
+    """The headroom under `high` / the worst fill rate, within [min, interval] (earlyoom)."""
     stats = engine_stats(
         kv_cache_usage_ratio=0.5, kv_capacity_tokens=100_000, kv_used_tokens=50_000
     )

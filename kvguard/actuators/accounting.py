@@ -184,11 +184,18 @@ class InflightRequest:
     # Admission "observed": the answer tokens reserved (all sequences), below
     # max_tokens when answers of this kind use less; None: max_tokens is the reservation.
     reserved_output: int | None = None
+    # The most its answers may hold (max_tokens, else the context's room): its
+    # reservation once it outruns the learned estimate, which then no longer holds.
+    output_ceiling: int | None = None
     sequences: int = 1  # prompts x samples (n, best_of): answers the engine writes
     # (model, route, priority): whose answer lengths this one's is learned with.
     kind: tuple[str, str, str] | None = None
     completed: bool = False  # the engine's whole answer arrived with a 200
     reserved_from: str = ""  # how the reservation was sized, in words (for reasons)
+    # The byte-based estimate of the prompt it was admitted with (None: counted), and
+    # whether the engine's count replaced it since (usage, or /tokenize).
+    prompt_estimate: int | None = None
+    prompt_exact: bool = False
 
     @property
     def footprint_tokens(self) -> int:
@@ -199,10 +206,18 @@ class InflightRequest:
     def projected_tokens(self) -> int:
         """Tokens it will hold at the end: prompt + the answer reserved (or max_tokens).
 
-        Never less than what it holds now: an answer longer than its reservation
-        grows it as it streams.
+        Never less than what it holds now; an answer that streams past its learned
+        reservation is reserved at its ceiling from then on.
         """
         reserved = self.reserved_output if self.reserved_output is not None else self.max_tokens
+        if (
+            self.reserved_output is not None
+            and self.output_ceiling is not None
+            and self.generated > self.reserved_output
+        ):
+            # Past its learned length, this answer is of another kind than its peers (the
+            # traffic changed): nothing but its ceiling bounds it now.
+            reserved = self.output_ceiling
         return self.prompt_tokens + max(reserved or 0, self.generated)
 
     @property

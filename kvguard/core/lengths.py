@@ -13,6 +13,10 @@ the ask (the conservative prior).
 Every figure is per sequence (a request with ``n`` = 4 holds four answers), and each
 kind keeps only its ``window`` most recent lengths; at most ``max_kinds`` kinds are
 kept (the least recently seen is forgotten). Nothing here reads a clock or does I/O.
+
+It also learns, per model, how the proxy's byte-based prompt estimate compares with
+the engine's count (:meth:`ObservedLengths.prompt_scale`), so a prompt admitted
+before the engine counted it is sized close to what it really holds.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 # A kind of request: (model, route, priority). "" stands for "any" in the broader kinds.
 Kind = tuple[str, str, str]
+PROMPT_RATIO_SCALE = 1000
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class ObservedLengths:
         self._kinds: OrderedDict[Kind, _Recent] = OrderedDict()
         # Prompt + answer of recent requests, all kinds: what a typical request needs.
         self._sizes = _Recent(terms.window)
+        # Per model: the engine's prompt count over the proxy's estimate (thousandths).
+        self._prompt_ratios: OrderedDict[Kind, _Recent] = OrderedDict()
 
     def __len__(self) -> int:
         """Kinds kept (bounded by ``max_kinds``)."""
@@ -114,6 +121,34 @@ class ObservedLengths:
             if recent is not None and len(recent.values) >= self.terms.min_samples:
                 return LengthEstimate(recent.quantile(self.terms.quantile), len(recent.values), key)
         return None
+
+    def observe_prompt(self, model: str, counted: int, estimated: int) -> None:
+        """Record the engine's count of a prompt against the estimate it was admitted with."""
+        if counted < 1 or estimated < 1:
+            return
+        key: Kind = (model, "", "")
+        recent = self._prompt_ratios.get(key)
+        if recent is None:
+            recent = self._prompt_ratios[key] = _Recent(self.terms.window)
+            while len(self._prompt_ratios) > self.terms.max_kinds:
+                self._prompt_ratios.popitem(last=False)
+        else:
+            self._prompt_ratios.move_to_end(key)
+        # Kept in thousandths: the quantile code sorts ints.
+        recent.add(round(PROMPT_RATIO_SCALE * counted / estimated))
+
+    def prompt_scale(self, model: str) -> float | None:
+        """What the engine counts per estimated prompt token, for ``model`` (a high quantile).
+
+        None before ``min_samples`` prompts of the model were counted. The byte-based
+        estimate errs high (about 2x on plain English); scaled by the ``quantile`` of
+        recent ratios it still errs high for all but a few prompts, and those are
+        corrected when the engine's count comes.
+        """
+        recent = self._prompt_ratios.get((model, "", ""))
+        if recent is None or len(recent.values) < self.terms.min_samples:
+            return None
+        return recent.quantile(self.terms.quantile) / PROMPT_RATIO_SCALE
 
     def typical_request_tokens(self) -> int | None:
         """The ``quantile`` of recent requests' prompt + answer, or None before ``min_samples``."""

@@ -8,11 +8,14 @@ stop before the client's over-ask).
 from __future__ import annotations
 
 import asyncio
+import itertools
+import re
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from kvguard.actuators.accounting import InflightRequest
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.sim.openai_api import SIM_OUTPUT_TOKENS_FIELD
@@ -36,9 +39,16 @@ async def proxy_to():
         await runner.cleanup()
 
 
+_prompts = itertools.count()
+
+
 def body(prompt_words: int, max_tokens: int | None, output: int, **extra) -> dict:
-    """A /v1/completions body whose answer really is ``output`` tokens long."""
-    out = {"prompt": " ".join(["word"] * prompt_words), SIM_OUTPUT_TOKENS_FIELD: output, **extra}
+    """A /v1/completions body whose answer really is ``output`` tokens long.
+
+    Each prompt differs (its first word), so none is found in the proxy's count cache.
+    """
+    words = [f"w{next(_prompts)}"] + ["word"] * (prompt_words - 1)
+    out = {"prompt": " ".join(words), SIM_OUTPUT_TOKENS_FIELD: output, **extra}
     if max_tokens is not None:
         out["max_tokens"] = max_tokens
     return out
@@ -64,16 +74,26 @@ async def test_an_over_asking_client_is_reserved_what_its_answers_use(sim_server
         # The prior: nothing seen yet, so the first reserves its whole max_tokens.
         first = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body(100, 1500, 40)))
         running = await _one_in_flight(proxy)
-        assert (running.reserved_output, running.projected_tokens) == (1500, 1600)
+        # The prompt is the proxy's estimate (it errs high; the engine's count comes
+        # with the answer): admission waits for the engine's count only when it decides.
+        assert running.prompt_tokens >= 100
+        assert running.reserved_output == 1500
+        assert running.projected_tokens == running.prompt_tokens + 1500
         (await first).close()
         await _learn(http, url, 4)
         later = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body(100, 1500, 40)))
         running = await _one_in_flight(proxy)
-        assert (running.reserved_output, running.projected_tokens) == (40, 140)
+        assert running.reserved_output == 40
+        # The prompt's estimate, scaled by what the engine counted for the last five
+        # (100 each, from their answers' usage), is what it really holds.
+        assert running.prompt_estimate is not None
+        assert running.prompt_estimate > 100
+        assert 100 <= running.prompt_tokens <= 102
+        assert running.projected_tokens == running.prompt_tokens + 40
         assert running.reserved_from == "p100 output 40 tokens (of 5 answers)"
         (await later).close()
-        # Ten such requests at once fit the 4,000-token pool (10 x 144 in whole blocks);
-        # reserved at max_tokens, two would, and the rest would wait or be shed.
+        # Ten such requests at once fit the 4,000-token pool (10 x ~210 in whole
+        # blocks); reserved at max_tokens, two would, and the rest would wait or be shed.
         most = 0
 
         async def watch() -> None:
@@ -113,8 +133,10 @@ async def test_many_sequences_reserve_each_and_a_request_that_cannot_fit_is_told
             assert resp.status == 503
             assert resp.headers["Retry-After"]
             message = (await resp.json())["error"]["message"]
-    # 200 sequences x (10 prompt + 40 answer) = 10,000 tokens, against 4,000.
-    assert "projected 10,000 of 4,000 KV tokens with it" in message
+    # 200 sequences x (the prompt's estimate + 40 answer): at least 10,000 tokens.
+    projected = re.search(r"projected ([\d,]+) of 4,000 KV tokens with it", message)
+    assert projected is not None, message
+    assert int(projected.group(1).replace(",", "")) >= 200 * (10 + 40)
     assert "reserved at p100 output 40 tokens (of 5 answers)" in message
     assert proxy.counters.shed[("standard", "kv_pool_full")] == 1
 
@@ -127,8 +149,8 @@ async def test_no_max_tokens_reserves_the_room_the_context_leaves(sim_server, pr
     async with aiohttp.ClientSession() as http:
         request = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body(48, None, 20)))
         running = await _one_in_flight(proxy)
-        assert running.reserved_output == 2048 - 48
-        assert running.reserved_from == "2000 output tokens (context)"
+        assert running.reserved_output == 2048 - running.prompt_tokens
+        assert running.reserved_from == f"{running.reserved_output} output tokens (context)"
         (await request).close()
 
 
@@ -139,3 +161,18 @@ async def _one_in_flight(proxy: AdmissionProxy):
             return requests[0]
         await asyncio.sleep(0.005)
     raise AssertionError("no request reached the engine")
+
+
+def test_an_answer_past_its_learned_length_is_reserved_at_its_ceiling():
+    """The traffic changed: one answer outran its peers' p95, so its max_tokens bounds it."""
+    tracked = InflightRequest("r", "standard", prompt_tokens=100, max_tokens=2000)
+    tracked.reserved_output, tracked.output_ceiling = 50, 2000
+    assert tracked.projected_tokens == 150
+    tracked.generated = 50
+    assert tracked.projected_tokens == 150
+    tracked.generated = 51
+    assert tracked.projected_tokens == 2100
+    # Reserved at max_tokens from the start (no estimate): it only grows with what it holds.
+    plain = InflightRequest("p", "standard", prompt_tokens=100, max_tokens=2000)
+    plain.generated = 51
+    assert plain.projected_tokens == 2100

@@ -95,3 +95,15 @@ def test_what_is_in_flight_is_never_less_than_the_engine_holds():
     assert rules.in_flight_tokens(5_000, None) == 5_000
     assert rules.in_flight_tokens(5_000, 8_000) == 8_000
     assert rules.in_flight_tokens(5_000, 3_000) == 5_000
+
+
+def test_the_prompt_estimate_is_scaled_by_what_the_engine_counted():
+    """Per model, a high quantile of engine count / estimate, after min_samples prompts."""
+    lengths = ObservedLengths(LengthTerms(quantile=0.95, min_samples=4, window=10))
+    assert lengths.prompt_scale("llama") is None
+    for counted in (40, 45, 50, 48):
+        lengths.observe_prompt("llama", counted, 100)
+    assert lengths.prompt_scale("llama") == 0.5  # the highest ratio of four: errs high
+    assert lengths.prompt_scale("qwen") is None  # per model
+    lengths.observe_prompt("llama", 0, 100)  # nonsense is not learned
+    assert lengths.prompt_scale("llama") == 0.5

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections import Counter
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -70,8 +70,10 @@ class Admission:
         self._room_freed = asyncio.Event()
         self.held_tokens = 0  # projections of shed-class requests held for room
         self.waiting = 0
-        # Requests waiting for admission, by class rank (mitigations.rank).
-        self._waiting_ranks: Counter[int] = Counter()
+        # Requests waiting for admission: class rank (mitigations.rank) -> their
+        # tickets (arrival order), and the next ticket.
+        self._waiting_ranks: dict[int, set[int]] = {}
+        self._tickets = 0
 
     def wake(self) -> None:
         """Make requests waiting for room re-check now (one ended, or the mitigations changed)."""
@@ -146,15 +148,22 @@ class Admission:
         # beside the loop for a large body (hashing many messages takes milliseconds).
         measured = await beside_the_loop(len(body), _measure_all, payload, generation)
         known = self._counter.recall(measured[0])
+        # Admission alone does not wait for the engine's count: the estimate errs high,
+        # so a request that fits with it fits; only one that does not is counted (below).
         decides = rules.needs_exact_count(
-            prompt_cap,
-            completion_cap,
-            shed_class=shed_class,
-            admission_enforced=self.admission_enforced(),
+            prompt_cap, completion_cap, shed_class=shed_class, admission_enforced=False
         )
         counts = [known.count] + [self._counter.recall(m).count for m in measured[1:]]
+        # An estimate errs high; scaled by what the engine counted for this model's
+        # recent prompts, it is close to what the prompt really holds.
+        model = payload.get("model")
+        scale = self.lengths.prompt_scale(model[:128] if isinstance(model, str) else "")
+        estimate = None if known.exact else known.count
+        if scale is not None and estimate is not None:
+            counts[0] = max(1, math.ceil(estimate * scale))
         if not known.exact and decides and len(counts) == 1:
             counts[0] = await self._counter.exact(payload, known, chat=chat, subject=subject)
+            estimate = None  # counted (or, when /tokenize failed, the estimate unscaled)
             # What is in force now, not before the wait (up to TOKENIZE_TIMEOUT_S).
             prompt_cap, completion_cap = self.window_for(priority)
         # The window caps hold each sequence's context: the longest prompt's.
@@ -196,6 +205,8 @@ class Admission:
         )
         tracked = InflightRequest(request_id, priority, prompt_total, max_total)
         tracked.sequences = generation.sequences
+        if single and estimate is not None:
+            tracked.prompt_estimate = estimate  # the engine's count, when it comes, teaches
         tracked.kind = _kind_of(payload, request.path, priority)
         if self.settings.admission == "observed":
             self._reserve(tracked, window.max_tokens, prompt)
@@ -206,13 +217,27 @@ class Admission:
                 if asked is not None
                 else f"{rules.UNKNOWN_MAX_TOKENS} output tokens (default)"
             )
+        if not known.exact and not decides and single and not self.admits_now(tracked):
+            # Against a pool this full the estimate's margin may be what refuses it.
+            counted = await self._counter.exact(payload, known, chat=chat, subject=subject)
+            tracked.prompt_tokens = counted * generation.samples
+            tracked.prompt_estimate = None  # maybe the estimate again, if /tokenize failed
+            if self.settings.admission == "observed":
+                self._reserve(tracked, window.max_tokens, counted)
+            decides = True
         if not known.exact and not decides and single:
             tracked.prompt_key = known.key
             # While calm, a whole answer or a stream asked to end with `usage` brings the
             # engine's own count at its end: no /tokenize (a second request to the
-            # engine's API server). Once pressure builds, what is in flight must be
-            # known while it runs: /tokenize alongside, the count in milliseconds.
-            if self.mitigations.level != "ok" or not _answer_has_usage(payload):
+            # engine's API server). Once pressure builds, or admission has half the
+            # pool reserved, what is in flight must be known while it runs: /tokenize
+            # alongside, the count in milliseconds (the estimate errs high, by up to
+            # 2x on plain English: that much of the pool would stay idle).
+            if (
+                self.mitigations.level != "ok"
+                or not _answer_has_usage(payload)
+                or self.half_reserved()
+            ):
                 self._counter.count_later(tracked, payload, known.key, chat=chat, subject=subject)
         if parsed is not None:
             parsed()  # parsing is over: waiting for room must not pin the body budget
@@ -262,10 +287,35 @@ class Admission:
             context - prompt if context is not None else None,
         )
         tracked.reserved_output = per_sequence * max(tracked.sequences, 1)
+        if source == "observed":
+            # What it may really write, should it outrun the estimate (see accounting).
+            ceiling, _ = rules.reserved_answer(
+                max_tokens, None, context - prompt if context is not None else None
+            )
+            tracked.output_ceiling = ceiling * max(tracked.sequences, 1)
         tracked.reserved_from = (
             learned.describe(self.settings.reserve_quantile)
             if source == "observed" and learned is not None
             else f"{per_sequence} output tokens ({source})"
+        )
+
+    def half_reserved(self) -> bool:
+        """Whether admission is enforced and half the pool or more is reserved."""
+        pool = self.mitigations.pool_tokens
+        return self.admission_enforced() and pool is not None and self.in_flight() * 2 >= pool
+
+    def admits_now(self, tracked: InflightRequest) -> bool:
+        """Whether admission would let ``tracked`` in at once (True when it is not enforced)."""
+        if not self.admission_enforced():
+            return True
+        critical = tracked.priority == "critical"
+        ratio = 1.0 if critical else self.settings.admission_ratio
+        return rules.admits(
+            self.in_flight(),
+            self.own(tracked),
+            self.mitigations.pool_tokens,
+            ratio,
+            critical=critical,
         )
 
     def pool_full_reason(self, tracked: InflightRequest) -> str:
@@ -430,10 +480,20 @@ class Admission:
         own = self.own(tracked)
         own_rank = rank(tracked.priority)
 
+        self._tickets += 1
+        ticket = self._tickets
+
         def fits() -> bool:
             # Room that frees goes to the highest class waiting for it first: a lower
             # class waits while a higher one does (it would take the room first).
-            if any(n for r, n in self._waiting_ranks.items() if r > own_rank):
+            if any(waiting for r, waiting in self._waiting_ranks.items() if r > own_rank):
+                return False
+            # Within a class, the newest first ("adaptive LIFO", Facebook's "Fail at
+            # Scale"): a queue only forms under overload, and then the request that
+            # just came can still be answered in time, while the one that waited
+            # longest is the likeliest to have given up; it gets its 503 at its wait's end.
+            same = self._waiting_ranks.get(own_rank, ())
+            if any(other > ticket for other in same):
                 return False
             # Re-read at each check: the pool may become unknown while waiting.
             return rules.admits(
@@ -446,12 +506,13 @@ class Admission:
 
         if fits():
             return True
-        self._waiting_ranks[own_rank] += 1
+        waiting = self._waiting_ranks.setdefault(own_rank, set())
+        waiting.add(ticket)
         try:
             return await self.wait_until(fits, terms.wait_s)
         finally:
-            self._waiting_ranks[own_rank] -= 1
-            self.wake()  # a lower class waiting behind this one may go now
+            waiting.discard(ticket)
+            self.wake()  # the next waiting (older, or of a lower class) may go now
 
 
 def _reads_as_chat(shape: str, payload: object) -> bool:

@@ -70,6 +70,7 @@ class AdmissionProxy:
         self._admission = Admission(
             settings, mitigations, self.inflight, self.counters, self._counter, lengths=self.lengths
         )
+        self._counter.corrected = self._admission.wake
         self._forwarder = Forwarder(
             upstream,
             self.session,

@@ -110,6 +110,8 @@ class PromptCounter:
         self.cache = TokenCache()  # prompt key -> the engine's count (or a kept estimate)
         self._tokenize_ok = True
         self.pending: set[asyncio.Future[None]] = set()  # counts asked in the background
+        # Called when a background count corrected an in-flight request's estimate.
+        self.corrected: Callable[[], None] | None = None
 
     async def close(self) -> None:
         """Stop the counts still asked in the background (the proxy stops)."""
@@ -197,6 +199,9 @@ class PromptCounter:
         if tracked.prompt_key is not None and not tracked.prompt_counted:
             tracked.prompt_tokens = count  # the answer's usage, when it came first, stands
             tracked.prompt_key = None
+            tracked.prompt_exact = True
+            if self.corrected is not None:
+                self.corrected()  # a smaller count is room for requests waiting
 
     def remember_usage(self, tracked: InflightRequest) -> None:
         """Cache the prompt's count its answer's ``usage`` gave (see :func:`_count_usage`)."""
@@ -343,6 +348,7 @@ def _prompt_from_usage(tracked: InflightRequest, usage: dict[str, Any]) -> None:
     ):
         tracked.prompt_tokens = prompt
         tracked.prompt_counted = True
+        tracked.prompt_exact = True
 
 
 def _answer_has_usage(payload: dict[str, Any]) -> bool:
