@@ -9,6 +9,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
+from kvguard.api.status import status_document
 from kvguard.api.telemetry import (
     PROXY_ERROR_CODES,
     REJECT_REASONS,
@@ -443,3 +444,31 @@ def test_shed_and_error_counters_start_at_zero_and_the_process_is_described():
     resident = registry.get_sample_value("process_resident_memory_bytes")
     assert resident is not None
     assert resident > 0
+
+
+@pytest.mark.parametrize(
+    ("usage", "waiting", "preemptions", "binds"),
+    [
+        (0.85, 2.0, 0.0, "kv_cache"),  # a queue in a nearly full cache
+        (0.30, 40.0, 0.0, "compute"),  # a queue with room in the cache
+        (0.95, 0.0, 0.0, "none"),  # a full pool nothing waits for
+    ],
+)
+async def test_status_and_metrics_say_which_resource_binds(usage, waiting, preemptions, binds):
+    """/status pressure.binding_resource, kvguard_binding_resource and the decision's signals."""
+    stats = engine_stats(
+        kv_cache_usage_ratio=usage,
+        kv_capacity_tokens=10_000,
+        kv_used_tokens=int(usage * 10_000),
+        requests_waiting=waiting,
+        preemptions_total=preemptions,
+    )
+    daemon, _, _ = make(engine=stats)
+    await daemon.tick()
+    assert daemon.brain.decision.binding == binds
+    registry = daemon_registry(daemon)
+    for resource in ("kv_cache", "compute", "none"):
+        value = registry.get_sample_value("kvguard_binding_resource", {"resource": resource})
+        assert value == (1.0 if resource == binds else 0.0), resource
+    status = status_document(daemon)
+    assert status["pressure"]["binding_resource"] == binds

@@ -184,13 +184,14 @@ class InflightRequest:
     # Admission "observed": the answer tokens reserved (all sequences), below
     # max_tokens when answers of this kind use less; None: max_tokens is the reservation.
     reserved_output: int | None = None
-    # The most its answers may hold (max_tokens, else the context's room): its
-    # reservation once it outruns the learned estimate, which then no longer holds.
+    # The most its answers may hold (max_tokens, else the context's room): the bound
+    # of its reservation once it outruns the learned estimate.
     output_ceiling: int | None = None
     sequences: int = 1  # prompts x samples (n, best_of): answers the engine writes
     # (model, route, priority): whose answer lengths this one's is learned with.
     kind: tuple[str, str, str] | None = None
     completed: bool = False  # the engine's whole answer arrived with a 200
+    clamped: bool = False  # kvguard lowered its max_tokens (a window cap): not its length
     reserved_from: str = ""  # how the reservation was sized, in words (for reasons)
     # The byte-based estimate of the prompt it was admitted with (None: counted), and
     # whether the engine's count replaced it since (usage, or /tokenize).
@@ -207,7 +208,7 @@ class InflightRequest:
         """Tokens it will hold at the end: prompt + the answer reserved (or max_tokens).
 
         Never less than what it holds now; an answer that streams past its learned
-        reservation is reserved at its ceiling from then on.
+        reservation is reserved at twice what it has written (at most its ceiling).
         """
         reserved = self.reserved_output if self.reserved_output is not None else self.max_tokens
         if (
@@ -216,8 +217,9 @@ class InflightRequest:
             and self.generated > self.reserved_output
         ):
             # Past its learned length, this answer is of another kind than its peers (the
-            # traffic changed): nothing but its ceiling bounds it now.
-            reserved = self.output_ceiling
+            # traffic changed): reserved at twice what it holds, up to its ceiling, so
+            # it stays ahead as it grows without claiming a whole context at once.
+            reserved = min(self.output_ceiling, 2 * self.generated)
         return self.prompt_tokens + max(reserved or 0, self.generated)
 
     @property

@@ -107,6 +107,8 @@ class Mitigations:
     # What a typical request of the current traffic needs, prompt + answer (the
     # proxy's learned lengths; None: not enough seen): the floor of a window cap.
     typical_request_tokens: Callable[[], int | None] | None = field(default=None, repr=False)
+    # Requests the proxy holds at the door for KV room now (its own queue).
+    admission_waiting: Callable[[], int] | None = field(default=None, repr=False)
     # The fp8 switch's drain: every generation request is refused until it ends.
     draining: bool = False
     drain_retry_after_s: int = 60

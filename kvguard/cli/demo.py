@@ -5,9 +5,11 @@ engine whose KV pool is small and which crashes (``oom_on_exhaust``) instead of
 preempting when the pool runs out, as engines that allocate KV per sequence do. The
 first run sends a seeded ``kvguard loadgen`` pattern straight at the engine; the
 second sends the same traffic through kvguard: the daemon live (policy acting, not a
-dry run) and its admission proxy with ``[proxy] admission = "projected"``, which holds
-each request until its projected KV footprint fits the pool. Without it the first
-burst lands before any tick and crashes the engine (docs/proxy.md, "Efficacy").
+dry run) and its admission proxy at its defaults (``[proxy] admission = "observed"``),
+which holds each request until its reservation — the prompt plus what recent answers
+of its kind used, ``max_tokens`` until it has seen enough — fits the pool. Without it
+the first burst lands before any tick and crashes the engine (docs/how-it-works.md,
+section 0).
 
 Both runs are bounded (``--duration`` seconds of traffic each, a grace second, a run
 ends early at a crash) and everything they start is stopped before the command
@@ -437,7 +439,7 @@ class _Guard:
     @classmethod
     async def start(cls, engine_url: str) -> _Guard:
         """Build the live daemon and its proxy on a free port of 127.0.0.1."""
-        return cls(await start_guard(engine_url, poll=POLL, proxy={"admission": "projected"}))
+        return cls(await start_guard(engine_url, poll=POLL))  # kvguard at its defaults
 
     async def run_until_ready(self, view: LiveView) -> None:
         """Start ticking; return once kvguard knows the engine's pool (admission needs it)."""

@@ -65,15 +65,17 @@ def needs_exact_count(
     completion_cap: int | None,
     *,
     shed_class: bool,
-    admission_enforced: bool,
+    admission_refuses: bool = False,
 ) -> bool:
     """Whether the prompt's exact count decides something now, so it is worth waiting for.
 
-    A window cap, a hold for room (the request's class is shed) and projected
-    admission all compare the prompt against a limit; otherwise an estimate serves
-    until the engine's count comes (asking it was most of the latency the proxy added).
+    A window cap and a hold for room (the request's class is shed) compare the prompt
+    against a limit, and so does admission when the estimate would refuse it
+    (``admission_refuses``: the estimate errs high, so one that fits with it fits);
+    otherwise an estimate serves until the engine's count comes (asking it was most
+    of the latency the proxy added).
     """
-    return prompt_cap is not None or completion_cap is not None or shed_class or admission_enforced
+    return prompt_cap is not None or completion_cap is not None or shed_class or admission_refuses
 
 
 def apply_window(
@@ -127,17 +129,21 @@ def reserved_answer(
 ) -> tuple[int, str]:
     """Tokens to reserve for one sequence's answer, and where the figure comes from.
 
-    The ceiling is what the sequence may really write: ``max_tokens``, else the room
-    left in the engine's context (``context_room``), else ``UNKNOWN_MAX_TOKENS``.
+    The ceiling is what the sequence may really write: ``max_tokens``, never more than
+    the room left in the engine's context (``context_room``, when known), else that
+    room, else ``UNKNOWN_MAX_TOKENS``.
     Under it, the ``learned`` length (a high quantile of recent answers of this kind
     of request) when there is one; without one, the ceiling itself (the
-    conservative prior). Returns ``(tokens, source)``, source one of ``observed``,
-    ``max_tokens``, ``context`` or ``default``.
+    conservative prior). ``UNKNOWN_MAX_TOKENS`` is a guess, not a limit: with nothing
+    else known, a learned length over it is reserved in full. Returns ``(tokens,
+    source)``, source one of ``observed``, ``max_tokens``, ``context`` or ``default``.
     """
-    if max_tokens is not None:
+    if max_tokens is not None and (context_room is None or max_tokens <= context_room):
         ceiling, source = max_tokens, "max_tokens"
     elif context_room is not None:
         ceiling, source = max(context_room, 0), "context"
+    elif learned is not None:
+        return max(learned, 1), "observed"  # 512 is a guess, not a limit: what was seen
     else:
         ceiling, source = UNKNOWN_MAX_TOKENS, "default"
     if learned is not None and learned < ceiling:

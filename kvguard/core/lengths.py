@@ -28,6 +28,8 @@ from dataclasses import dataclass
 # A kind of request: (model, route, priority). "" stands for "any" in the broader kinds.
 Kind = tuple[str, str, str]
 PROMPT_RATIO_SCALE = 1000
+# The estimate is 3 bytes a token; no tokenizer packs English into 12.
+MIN_PROMPT_SCALE = 0.25
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,9 @@ class ObservedLengths:
         recent = self._prompt_ratios.get((model, "", ""))
         if recent is None or len(recent.values) < self.terms.min_samples:
             return None
-        return recent.quantile(self.terms.quantile) / PROMPT_RATIO_SCALE
+        # A floor: a count that leaves out cached prefix tokens (some engines' usage
+        # does) must not shrink every estimate to nothing.
+        return max(MIN_PROMPT_SCALE, recent.quantile(self.terms.quantile) / PROMPT_RATIO_SCALE)
 
     def typical_request_tokens(self) -> int | None:
         """The ``quantile`` of recent requests' prompt + answer, or None before ``min_samples``."""

@@ -140,6 +140,8 @@ class Signals:
     requests_waiting: float | None = None  # the engine's queue (sizes may be unknown)
     # A high quantile of recent requests' prompt + answer: a window cap never goes under.
     typical_request_tokens: int | None = None
+    # Requests kvguard's proxy holds at the door for KV room (its own queue).
+    admission_waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,15 +180,18 @@ class Decision:
 def binding_of(signals: Signals, policy: PolicyConfig) -> Binding:
     """Which resource limits the engine now, from what the engine is refusing.
 
-    The KV cache binds when it turns work away: preemptions, a queue while the cache
-    is past ``elevated``'s usage, or queued prompts that cannot fit the room left
-    (demand over the whole pool). A queue
+    The KV cache binds when it turns work away: preemptions, requests kvguard's proxy
+    holds at the door for KV room, a queue while the cache is past ``elevated``'s
+    usage, or queued prompts that cannot fit the room left (demand over the whole
+    pool). A queue
     with room in the cache is compute (the engine's batch limits or its speed): its
     queue is the right place for that work, and shedding on KV signals would only
     lose requests. A full cache with nothing waiting is a pool in use, not pressure.
     """
     if (signals.preemptions_per_s or 0.0) > 0:
         return "kv_cache"
+    if signals.admission_waiting > 0:
+        return "kv_cache"  # the proxy holds them at the door for want of KV room
     queued = (signals.queued_tokens or 0.0) > 0 or (signals.requests_waiting or 0.0) > 0
     if not queued:
         return "none"
@@ -282,15 +287,20 @@ def decide(
     state: GuardState,
     *,
     typical_request_tokens: int | None = None,
+    admission_waiting: int = 0,
 ) -> Decision:
     """One tick of the ladder: the new level, the plan and the next state.
 
     ``typical_request_tokens`` (a high quantile of recent requests' prompt + answer,
-    when the proxy has seen enough) is the least a window cap leaves.
+    when the proxy has seen enough) is the least a window cap leaves;
+    ``admission_waiting`` counts the requests the proxy holds for KV room.
     """
     signals = signals_of(forecast)
-    if typical_request_tokens is not None:
-        signals = replace(signals, typical_request_tokens=typical_request_tokens)
+    signals = replace(
+        signals,
+        typical_request_tokens=typical_request_tokens,
+        admission_waiting=admission_waiting,
+    )
     binding = binding_of(signals, policy)
     previous = state.level
     target, reasons = _target_level(signals, policy, binding)

@@ -162,6 +162,7 @@ class Brain:
         self.forecast = forecast(samples, config.forecast)
         self.pattern = classify(samples, PatternThresholds(window_s=config.pattern_window_s))
         typical = self.mitigations.typical_request_tokens
+        held = self.mitigations.admission_waiting
         decision = decide(
             snapshot.taken_at,
             self.forecast,
@@ -169,6 +170,7 @@ class Brain:
             self._policy(),
             self.guard,
             typical_request_tokens=typical() if typical is not None else None,
+            admission_waiting=held() if held is not None else 0,
         )
         self.guard = decision.state
         self.decision = decision
@@ -288,6 +290,9 @@ class Brain:
         """
         engine, source = snapshot.engine, snapshot.sources.get("engine")
         if engine is None or source is None or not source.ok:
+            # The pool's size stays (it changes only with a restart); what the engine
+            # held does not: a stale count would block admission as long as reads fail.
+            self.mitigations.engine_used_tokens = None
             return
         blocks, block = engine.kv_capacity_blocks, engine.block_size
         # vLLM counts one reserved null block in num_gpu_blocks; it holds no KV.
@@ -318,6 +323,7 @@ class Brain:
             "gpu_time_to_exhaustion_s": decision.signals.gpu_time_to_exhaustion_s,
             "preemptions_per_s": decision.signals.preemptions_per_s,
             "queued_tokens": decision.signals.queued_tokens,
+            "admission_waiting": decision.signals.admission_waiting,
             "binding": decision.binding,
         }
         record = DecisionRecord(

@@ -117,7 +117,7 @@ async def test_an_over_asking_client_is_reserved_what_its_answers_use(sim_server
 async def test_many_sequences_reserve_each_and_a_request_that_cannot_fit_is_told_why(
     sim_server, proxy_to
 ):
-    """``n`` = 200 reserves 200 answers; past the pool it waits, then 503 with the figures."""
+    """``n`` = 200 reserves 200 answers; more than the pool holds: 503 at once, with the figures."""
     server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048)
     mitigations = Mitigations(pool_tokens=4000, block_size=16)
     url, proxy = await proxy_to(
@@ -133,8 +133,13 @@ async def test_many_sequences_reserve_each_and_a_request_that_cannot_fit_is_told
             assert resp.status == 503
             assert resp.headers["Retry-After"]
             message = (await resp.json())["error"]["message"]
-    # 200 sequences x (the prompt's estimate + 40 answer): at least 10,000 tokens.
-    projected = re.search(r"projected ([\d,]+) of 4,000 KV tokens with it", message)
+    # 200 sequences x (the prompt's estimate + 40 answer): at least 10,000 tokens, more
+    # than the pool can ever give it: refused at once, not after the wait.
+    projected = re.search(
+        r"it alone reserves ([\d,]+) tokens, more than the 3,800 KV tokens admission fills"
+        r" \(0.95 of the 4,000-token pool\)",
+        message,
+    )
     assert projected is not None, message
     assert int(projected.group(1).replace(",", "")) >= 200 * (10 + 40)
     assert "reserved at p100 output 40 tokens (of 5 answers)" in message
@@ -163,16 +168,53 @@ async def _one_in_flight(proxy: AdmissionProxy):
     raise AssertionError("no request reached the engine")
 
 
-def test_an_answer_past_its_learned_length_is_reserved_at_its_ceiling():
-    """The traffic changed: one answer outran its peers' p95, so its max_tokens bounds it."""
+def test_an_answer_past_its_learned_length_is_reserved_ahead_of_it():
+    """The traffic changed: an answer outran its peers' p95; reserved ahead of it, to max_tokens."""
     tracked = InflightRequest("r", "standard", prompt_tokens=100, max_tokens=2000)
     tracked.reserved_output, tracked.output_ceiling = 50, 2000
     assert tracked.projected_tokens == 150
     tracked.generated = 50
     assert tracked.projected_tokens == 150
     tracked.generated = 51
-    assert tracked.projected_tokens == 2100
+    assert tracked.projected_tokens == 100 + 102  # twice what it holds
+    tracked.generated = 1500
+    assert tracked.projected_tokens == 2100  # at most its ceiling
     # Reserved at max_tokens from the start (no estimate): it only grows with what it holds.
     plain = InflightRequest("p", "standard", prompt_tokens=100, max_tokens=2000)
     plain.generated = 51
     assert plain.projected_tokens == 2100
+
+
+async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_to):
+    """One request fills the pool; when it ends, critical goes first, then the newest standard."""
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
+    mitigations = Mitigations(pool_tokens=1000, block_size=16)
+    url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=10)
+    order: list[str] = []
+
+    async def send(http: aiohttp.ClientSession, name: str, priority: str) -> None:
+        # Nothing learned yet: each reserves its max_tokens (700), so one at a time.
+        async with http.post(
+            f"{url}/v1/completions", json=body(10, 700, 30), headers={"X-Priority": priority}
+        ) as resp:
+            assert resp.status == 200
+            await resp.read()
+            order.append(name)
+
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.ensure_future(send(http, "first", "standard"))
+        await _one_in_flight(proxy)
+        waiting = []
+        for name, priority in (
+            ("older", "standard"),
+            ("sheddable", "sheddable"),
+            ("newer", "standard"),
+            ("critical", "critical"),
+        ):
+            waiting.append(asyncio.ensure_future(send(http, name, priority)))
+            for _ in range(200):  # each waits before the next comes
+                if proxy.waiting == len(waiting):
+                    break
+                await asyncio.sleep(0.005)
+        await asyncio.gather(first, *waiting)
+    assert order == ["first", "critical", "newer", "older", "sheddable"]

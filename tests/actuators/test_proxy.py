@@ -731,7 +731,9 @@ async def test_projected_admission_waits_for_room_then_sheds(sim_server, proxy_t
             # The reason in numbers: the first's projection (its prompt estimated) + this
             # one's 704 (its prompt counted by the engine: it decided), against the pool.
             message = (await resp.json())["error"]["message"]
-            projected = re.search(r"projected ([\d,]+) of 1,000 KV tokens with it", message)
+            projected = re.search(
+                r"projected ([\d,]+) of the 1,000 KV tokens admission fills", message
+            )
             assert projected is not None, message
             assert int(projected.group(1).replace(",", "")) >= 704 + 704
             assert "reserved at 300 output tokens (max_tokens)" in message

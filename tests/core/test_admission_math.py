@@ -36,16 +36,16 @@ def test_critical_requests_have_no_window_caps():
         (100, None, False, False, True),
         (None, 100, False, False, True),
         (None, None, True, False, True),  # a hold for room compares against the pool
-        (None, None, False, True, True),  # projected admission too
+        (None, None, False, True, True),  # an estimate admission would refuse
     ],
 )
 def test_exact_count_is_needed_only_when_it_decides(
     prompt_cap, completion_cap, shed_class, enforced, expected
 ):
-    """The exact count is waited for only when a cap, a hold or projected admission uses it."""
+    """The exact count is waited for only when a cap, a hold or an admission refusal uses it."""
     assert (
         needs_exact_count(
-            prompt_cap, completion_cap, shed_class=shed_class, admission_enforced=enforced
+            prompt_cap, completion_cap, shed_class=shed_class, admission_refuses=enforced
         )
         is expected
     )

@@ -80,7 +80,9 @@ def test_typical_request_size_is_the_quantile_of_prompt_plus_answer():
         (None, None, 30_000, (30_000, "context")),  # no max_tokens: the context's room
         (None, 310, 30_000, (310, "observed")),
         (None, None, None, (rules.UNKNOWN_MAX_TOKENS, "default")),
+        (None, 3000, None, (3000, "observed")),  # 512 is a guess: what was seen wins
         (None, None, -5, (0, "context")),  # a prompt over the context: nothing left
+        (10**9, None, 30_000, (30_000, "context")),  # an absurd max_tokens: the context's room
     ],
 )
 def test_an_answer_is_reserved_at_the_learned_length_under_its_ceiling(

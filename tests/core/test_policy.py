@@ -273,3 +273,12 @@ def test_a_window_cap_never_goes_under_a_typical_request():
     # Without a typical size, the share of the pool (10% of 100,000) as before.
     decision = run([0.92] * 3, pattern="long_context")[-1]
     assert next(a for a in decision.plan if a.kind == "tighten_window").max_tokens == 10_000
+
+
+def test_requests_held_at_the_door_mean_the_kv_cache_binds():
+    """The proxy's own queue is KV pressure the engine's queue no longer shows."""
+    decision = decide(
+        0.0, fc(0.6, queued=0.0), "steady", POLICY, GuardState(), admission_waiting=12
+    )
+    assert decision.binding == "kv_cache"
+    assert decision.signals.admission_waiting == 12

@@ -71,8 +71,8 @@ class Admission:
         self.held_tokens = 0  # projections of shed-class requests held for room
         self.waiting = 0
         # Requests waiting for admission: class rank (mitigations.rank) -> their
-        # tickets (arrival order), and the next ticket.
-        self._waiting_ranks: dict[int, set[int]] = {}
+        # tickets (arrival order) -> their own projections; and the next ticket.
+        self._waiting_ranks: dict[int, dict[int, int]] = {}
         self._tickets = 0
 
     def wake(self) -> None:
@@ -150,9 +150,7 @@ class Admission:
         known = self._counter.recall(measured[0])
         # Admission alone does not wait for the engine's count: the estimate errs high,
         # so a request that fits with it fits; only one that does not is counted (below).
-        decides = rules.needs_exact_count(
-            prompt_cap, completion_cap, shed_class=shed_class, admission_enforced=False
-        )
+        decides = rules.needs_exact_count(prompt_cap, completion_cap, shed_class=shed_class)
         counts = [known.count] + [self._counter.recall(m).count for m in measured[1:]]
         # An estimate errs high; scaled by what the engine counted for this model's
         # recent prompts, it is close to what the prompt really holds.
@@ -205,6 +203,7 @@ class Admission:
         )
         tracked = InflightRequest(request_id, priority, prompt_total, max_total)
         tracked.sequences = generation.sequences
+        tracked.clamped = window.clamped
         if single and estimate is not None:
             tracked.prompt_estimate = estimate  # the engine's count, when it comes, teaches
         tracked.kind = _kind_of(payload, request.path, priority)
@@ -321,15 +320,26 @@ class Admission:
     def pool_full_reason(self, tracked: InflightRequest) -> str:
         """Why ``tracked`` found no room, in numbers a person can check.
 
-        ``projected 14,900 of 12,042 KV tokens (p95 output 310 tokens (of 240 answers))``.
+        ``projected 11,920 of the 11,440 KV tokens admission fills (0.95 of the
+        12,042-token pool) with it, after waiting 5 s; its answer reserved at p95
+        output 310 tokens (of 240 answers)``.
         """
-        pool = self.mitigations.pool_tokens
-        wanted = self.in_flight() + self.own(tracked)
+        pool = self.mitigations.pool_tokens or 0
+        ratio = self.settings.admission_ratio
+        limit = math.floor(pool * ratio)
+        own = self.own(tracked)
+        reserved = self._inflight.projected_tokens(self.mitigations.block_size)
+        in_flight = self.in_flight()
+        of = f"the {limit:,} KV tokens admission fills ({ratio:g} of the {pool:,}-token pool)"
         sized = f"; its answer reserved at {tracked.reserved_from}" if tracked.reserved_from else ""
-        return (
-            f"projected {wanted:,} of {pool or 0:,} KV tokens with it, after waiting"
-            f" {self.settings.admission_wait_s:g} s for room{sized}"
-        )
+        if own > limit:
+            return f"it alone reserves {own:,} tokens, more than {of}{sized}"
+        why = f"projected {in_flight + own:,} of {of} with it"
+        if in_flight > reserved:
+            why += f" (in flight per the engine's own count: {in_flight:,})"
+        if in_flight + own <= limit:
+            why = f"the room that freed went to higher classes or newer requests waiting ({why})"
+        return f"{why}, after waiting {self.settings.admission_wait_s:g} s{sized}"
 
     def window_for(self, priority: str) -> tuple[int | None, int | None]:
         """The (prompt, completion) caps in force for ``priority`` now (none for critical)."""
@@ -488,31 +498,39 @@ class Admission:
             # class waits while a higher one does (it would take the room first).
             if any(waiting for r, waiting in self._waiting_ranks.items() if r > own_rank):
                 return False
-            # Within a class, the newest first ("adaptive LIFO", Facebook's "Fail at
-            # Scale"): a queue only forms under overload, and then the request that
-            # just came can still be answered in time, while the one that waited
-            # longest is the likeliest to have given up; it gets its 503 at its wait's end.
-            same = self._waiting_ranks.get(own_rank, ())
-            if any(other > ticket for other in same):
-                return False
             # Re-read at each check: the pool may become unknown while waiting.
-            return rules.admits(
-                self.in_flight(),
-                own,
-                mitigations.pool_tokens,
-                terms.ratio,
-                critical=critical,
-            )
+            in_flight, pool = self.in_flight(), mitigations.pool_tokens
+            # Within a class, the newest that fits first ("adaptive LIFO", Facebook's
+            # "Fail at Scale"): a queue only forms under overload, and then the request
+            # that just came can still be answered in time, while the one that waited
+            # longest is the likeliest to have given up; it gets its 503 at its wait's
+            # end. A newer one too large for the room now does not block it.
+            same = self._waiting_ranks.get(own_rank, {})
+            if any(
+                other > ticket
+                and rules.admits(in_flight, size, pool, terms.ratio, critical=critical)
+                for other, size in same.items()
+            ):
+                return False
+            return rules.admits(in_flight, own, pool, terms.ratio, critical=critical)
 
         if fits():
             return True
-        waiting = self._waiting_ranks.setdefault(own_rank, set())
-        waiting.add(ticket)
+        pool = mitigations.pool_tokens
+        if not critical and pool is not None and own > pool * terms.ratio:
+            return False  # it could never fit: waiting would only block the others
+        waiting = self._waiting_ranks.setdefault(own_rank, {})
+        waiting[ticket] = own
+        admitted = False
         try:
-            return await self.wait_until(fits, terms.wait_s)
+            admitted = await self.wait_until(fits, terms.wait_s)
+            return admitted
         finally:
-            waiting.discard(ticket)
-            self.wake()  # the next waiting (older, or of a lower class) may go now
+            waiting.pop(ticket, None)
+            if not admitted:
+                # It leaves without taking room it blocked others from: they may go now.
+                # (Admitted, it took room; the next request to end wakes the others.)
+                self.wake()
 
 
 def _reads_as_chat(shape: str, payload: object) -> bool:

@@ -223,13 +223,19 @@ class Forwarder:
         """Remember how long a whole answer was, for the reservations of its kind.
 
         Only answers that ended with a 200 and a count (the answer's ``usage``, or the
-        stream's tokens): a cut or failed answer says nothing about how long one is.
+        stream's tokens), and whose length the client chose: a cut or failed answer, or
+        one kvguard's window cap clamped, says nothing about how long one is.
         """
         if tracked.kind is not None and tracked.prompt_exact and tracked.prompt_estimate:
             self._lengths.observe_prompt(
                 tracked.kind[0], tracked.prompt_tokens, tracked.prompt_estimate
             )
-        if tracked.completed and tracked.kind is not None and tracked.generated > 0:
+        if (
+            tracked.completed
+            and not tracked.clamped
+            and tracked.kind is not None
+            and tracked.generated > 0
+        ):
             per_sequence = tracked.output_per_sequence
             self._lengths.observe(
                 tracked.kind,
