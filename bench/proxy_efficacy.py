@@ -8,8 +8,8 @@ traffic is sent in each mode, each time at a fresh simulated vLLM engine with a 
   watching the engine, deciding every tick and putting its plan in force (shed,
   window caps, cancel the largest request); ``[proxy]`` at its defaults;
 * ``kvguard_projected`` (with ``--projected``): the same with ``[proxy] admission =
-  "projected"``, where the proxy also holds each request until its projected KV
-  footprint fits the engine's pool, with no poll interval in between.
+  "projected"``, where each answer is reserved at its ``max_tokens`` (the default,
+  ``observed``, reserves what answers of its kind really used).
 
 Each run is ``WARMUP_S`` seconds of light steady traffic (kvguard runs before trouble
 starts and learns the request sizes), then ``pattern_s`` seconds of the pattern at
@@ -58,9 +58,10 @@ GRACE_S = 1.0
 CONCURRENCY = 256
 MAX_REQUESTS = 5000
 PATTERNS = ("bursty_short", "long_context")
-# direct: no kvguard. kvguard: the default [proxy] (admission = "off": the proxy applies
-# the daemon's per-tick plan). kvguard_projected: [proxy] admission = "projected", where
-# the proxy also admits each request against the engine's pool as it arrives.
+# direct: no kvguard. kvguard: the default [proxy] (admission = "observed": each
+# request admitted against the engine's pool as it arrives, its answer reserved at what
+# answers of its kind used). kvguard_projected: [proxy] admission = "projected", each
+# answer reserved at its max_tokens.
 MODES = ("direct", "kvguard", "kvguard_projected")
 DEFAULT_MODES = ("direct", "kvguard")  # what fits the ~10 min budget at 5 seeds
 TIMELINE_KEPT = 60  # decision events kept per run: enough to read what fired and when
@@ -138,10 +139,10 @@ async def measure(
     )
     guard = None
     if mode != "direct":
-        admission = "projected" if mode == "kvguard_projected" else "off"
-        guard = await start_guard(
-            server.url, poll=POLL, proxy={"admission": admission}, policy=policy
-        )
+        # kvguard: [proxy] at its defaults (admission "observed"); kvguard_projected:
+        # every answer reserved at its max_tokens.
+        proxy = {"admission": "projected"} if mode == "kvguard_projected" else {}
+        guard = await start_guard(server.url, poll=POLL, proxy=proxy, policy=policy)
     run = Run(pattern, seed, mode, oom)
     pattern_start: float | None = None
     try:
