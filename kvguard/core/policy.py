@@ -302,9 +302,14 @@ def decide(
         admission_waiting=admission_waiting,
     )
     binding = binding_of(signals, policy)
+    # Requests the proxy holds at the door are the KV cache binding (so reported), but
+    # admission already holds them to the pool: only what the engine itself shows (its
+    # queue, preemptions) lets the KV signals raise the level, or the ladder would shed
+    # on top of admission what admission would have let in moments later.
+    engine_binding = binding_of(replace(signals, admission_waiting=0), policy)
     previous = state.level
-    target, reasons = _target_level(signals, policy, binding)
-    level, state = _next_level(now, target, signals, policy, state, binding=binding)
+    target, reasons = _target_level(signals, policy, engine_binding)
+    level, state = _next_level(now, target, signals, policy, state, binding=engine_binding)
     plan, deferred, state = _plan(now, level, pattern, signals, policy=policy, state=state)
     return Decision(
         now, level, previous, pattern, plan, tuple(reasons), deferred, signals, state, binding

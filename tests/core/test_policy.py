@@ -282,3 +282,11 @@ def test_requests_held_at_the_door_mean_the_kv_cache_binds():
     )
     assert decision.binding == "kv_cache"
     assert decision.signals.admission_waiting == 12
+    # Admission already holds them to the pool: the ladder does not shed on top of it.
+    state = GuardState()
+    for t in (0.0, 0.5, 1.0, 1.5):
+        decision = decide(t, fc(0.95, queued=0.0), "steady", POLICY, state, admission_waiting=12)
+        state = decision.state
+    assert decision.binding == "kv_cache"
+    assert decision.level == "elevated"
+    assert decision.plan == ()
