@@ -102,15 +102,19 @@ class ObservedLengths:
         """
         output = max(0, int(output_per_sequence))
         for key in _broader(kind):
-            recent = self._kinds.get(key)
-            if recent is None:
-                recent = self._kinds[key] = _Recent(self.terms.window)
-                while len(self._kinds) > self.terms.max_kinds:
-                    self._kinds.popitem(last=False)
-            else:
-                self._kinds.move_to_end(key)
-            recent.add(output)
+            self._recent(self._kinds, key).add(output)
         self._sizes.add(max(0, int(request_tokens)))
+
+    def _recent(self, table: OrderedDict[Kind, _Recent], key: Kind) -> _Recent:
+        """``table``'s values for ``key``, made most recently seen (the oldest kind forgotten)."""
+        recent = table.get(key)
+        if recent is None:
+            recent = table[key] = _Recent(self.terms.window)
+            while len(table) > self.terms.max_kinds:
+                table.popitem(last=False)
+        else:
+            table.move_to_end(key)
+        return recent
 
     def estimate(self, kind: Kind) -> LengthEstimate | None:
         """The ``quantile`` of recent answer lengths of ``kind`` (or the nearest broader kind).
@@ -128,16 +132,9 @@ class ObservedLengths:
         """Record the engine's count of a prompt against the estimate it was admitted with."""
         if counted < 1 or estimated < 1:
             return
-        key: Kind = (model, "", "")
-        recent = self._prompt_ratios.get(key)
-        if recent is None:
-            recent = self._prompt_ratios[key] = _Recent(self.terms.window)
-            while len(self._prompt_ratios) > self.terms.max_kinds:
-                self._prompt_ratios.popitem(last=False)
-        else:
-            self._prompt_ratios.move_to_end(key)
         # Kept in thousandths: the quantile code sorts ints.
-        recent.add(round(PROMPT_RATIO_SCALE * counted / estimated))
+        ratio = round(PROMPT_RATIO_SCALE * counted / estimated)
+        self._recent(self._prompt_ratios, (model, "", "")).add(ratio)
 
     def prompt_scale(self, model: str) -> float | None:
         """What the engine counts per estimated prompt token, for ``model`` (a high quantile).
