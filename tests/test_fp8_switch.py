@@ -48,6 +48,9 @@ format = "json"
 [proxy]
 enabled = true
 listen = "127.0.0.1:{proxy}"
+# The switch under pressure in the engine itself: admission (the default) would hold
+# three of the seven at the door, and a drain refuses what waits there.
+admission = "off"
 
 [policy]
 confirm_ticks = 1

@@ -237,11 +237,13 @@ def crossed(
 ) -> list[str]:
     """The thresholds ``signals`` are past: entry thresholds, or (``exit_``) the lower exit ones.
 
-    ``level`` is the level ``t`` belongs to. Past ``elevated`` (an alert), the KV
-    signals count only while the KV cache binds (``binding``, :func:`binding_of`;
+    ``level`` is the level ``t`` belongs to. Past ``elevated`` (an alert), KV usage
+    and demand count only while the KV cache binds (``binding``, :func:`binding_of`;
     None: not asked): a full pool nothing waits for, or a queue the cache has room
-    for, is no reason to shed. And a trend alone never reaches ``critical``: time
-    to exhaustion counts there only in a cache already past ``high``'s usage.
+    for, is no reason to shed. Time to exhaustion (with usage past
+    ``tte_min_usage``) may raise the level to ``high`` — acting before the pool
+    fills is the point — but a trend alone never reaches ``critical``: there it
+    counts only in a cache already past ``high``'s usage that binds.
     """
     out: list[str] = []
     margin = policy.exit_usage_margin if exit_ else 0.0
@@ -252,13 +254,16 @@ def crossed(
     name, usage = "kv_usage", signals.kv_usage
     if signals.kv_demand is not None and (usage is None or signals.kv_demand > usage):
         name, usage = "kv_demand", signals.kv_demand
-    if not kv_counts:
-        usage = None
-    if t.kv_usage is not None and usage is not None and usage >= t.kv_usage - margin:
+    if kv_counts and t.kv_usage is not None and usage is not None and usage >= t.kv_usage - margin:
         out.append(f"{name} {usage:.3f} >= {t.kv_usage - margin:.3f}")
+    # The trend is what lets kvguard act before the pool fills (a cache that does not
+    # bind yet will): it may raise the level to high on its own, never to critical
+    # unless the cache is already past high's usage and binds.
     trend_floor = policy.tte_min_usage
     if level == "critical":
         trend_floor = max(trend_floor, policy.high.kv_usage or 0.0)
+        if not kv_counts:
+            usage = None
     if t.time_to_exhaustion_s is not None and usage is not None and usage >= trend_floor:
         limit = t.time_to_exhaustion_s * factor
         for name, tte in (

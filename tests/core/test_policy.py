@@ -115,9 +115,10 @@ def test_bursty_critical_sheds_standard_traffic():
 def test_a_trend_alone_never_escalates():
     """A short time to exhaustion at low usage stays ok; with usage it escalates, so far."""
     assert run([fc(0.3, tte=5.0)] * 5)[-1].level == "ok"
-    # Past tte_min_usage the trend is an alert, no more: the cache does not bind yet.
-    assert run([fc(0.6, tte=5.0)] * 5)[-1].level == "elevated"
-    # A trend alone never reaches critical: it takes a cache past high's usage.
+    # Past tte_min_usage the trend raises the level to high (act before the pool fills)...
+    assert run([fc(0.6, tte=5.0)] * 5)[-1].level == "high"
+    assert run([fc(0.6, tte=5.0, queued=0.0)] * 5)[-1].level == "high"
+    # ...but a trend alone never reaches critical: it takes a cache past high's usage.
     assert run([fc(0.85, tte=5.0)] * 5)[-1].level == "high"
     assert run([fc(0.92, tte=5.0)] * 5)[-1].level == "critical"
 

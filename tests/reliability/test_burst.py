@@ -124,7 +124,10 @@ async def test_a_burst_of_ten_times_the_engines_concurrency_is_shed_fast_and_bou
     guard = await start_guard(
         server.url,
         poll={"interval_s": 0.25, "min_interval_s": 0.1, "timeout_s": 1.0},
-        proxy={"shed_wait_s": SHED_WAIT_S},
+        # The ladder's shed and its hold for room, and their bounds, are what this
+        # measures: admission (on by default) is off here; its own burst tests are
+        # tests/actuators/test_observed_admission.py and tests/test_proxy_efficacy.py.
+        proxy={"shed_wait_s": SHED_WAIT_S, "admission": "off"},
     )
     daemon, proxy, url = guard.daemon, guard.proxy, guard.proxy_url
     assert proxy is not None
@@ -159,8 +162,11 @@ async def test_a_burst_of_ten_times_the_engines_concurrency_is_shed_fast_and_bou
         assert len(shed) >= BURST // 4, f"{len(shed)} shed of {len(answers)}"
         assert all(a.code == "kv_cache_pressure" for a in shed)
         assert max(a.seconds for a in shed) <= SHED_WAIT_S + SLOW_MARGIN_S
+        # Most are held their whole shed_wait_s now (the ladder sheds only while the
+        # cache binds, so fewer pile past the held bound to be shed at once): the
+        # median is at most the hold plus the loaded loop's slack.
         quick = sorted(a.seconds for a in shed)[len(shed) // 2]
-        assert quick < SHED_WAIT_S, f"median shed answer took {quick:.2f} s"
+        assert quick < SHED_WAIT_S + 0.5, f"median shed answer took {quick:.2f} s"
         # Memory stays bounded: what is held for room never passes its bound (the
         # check comes before a request's own projection is added: one request over).
         pool = daemon.brain.mitigations.pool_tokens
