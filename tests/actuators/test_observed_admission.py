@@ -13,7 +13,6 @@ import re
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from kvguard.actuators.accounting import InflightRequest
 from kvguard.actuators.mitigations import Mitigations
@@ -22,21 +21,14 @@ from kvguard.sim.openai_api import SIM_OUTPUT_TOKENS_FIELD
 
 
 @pytest.fixture
-async def proxy_to():
+async def proxy_to(serve):
     """A proxy in front of an upstream, served on 127.0.0.1: (URL, proxy)."""
-    runners: list[web.AppRunner] = []
 
     async def start(upstream: str, mitigations: Mitigations, **settings):
         proxy = AdmissionProxy(ProxySettings(upstream=upstream, **settings), mitigations)
-        runner = web.AppRunner(proxy.app(), handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{runner.addresses[0][1]}", proxy
+        return await serve(proxy.app(), cancel=True), proxy
 
-    yield start
-    for runner in reversed(runners):
-        await runner.cleanup()
+    return start
 
 
 _prompts = itertools.count()

@@ -308,13 +308,22 @@ class Admission:
         if not self.admission_enforced():
             return True
         critical = tracked.priority == "critical"
-        ratio = 1.0 if critical else self.settings.admission_ratio
         return rules.admits(
             self.in_flight(),
             self.own(tracked),
             self.mitigations.pool_tokens,
-            ratio,
+            self._terms(critical=critical).ratio,
             critical=critical,
+        )
+
+    def _terms(self, *, critical: bool) -> rules.AdmissionTerms:
+        """The share of the pool a request may fill, and how long it may wait for it."""
+        settings = self.settings
+        return rules.admission_terms(
+            critical=critical,
+            admission_ratio=settings.admission_ratio,
+            admission_wait_s=settings.admission_wait_s,
+            read_timeout_s=settings.read_timeout_s,
         )
 
     def pool_full_reason(self, tracked: InflightRequest) -> str:
@@ -479,14 +488,9 @@ class Admission:
         """
         if not self.admission_enforced():
             return True
-        mitigations, settings = self.mitigations, self.settings
+        mitigations = self.mitigations
         critical = tracked.priority == "critical"
-        terms = rules.admission_terms(
-            critical=critical,
-            admission_ratio=settings.admission_ratio,
-            admission_wait_s=settings.admission_wait_s,
-            read_timeout_s=settings.read_timeout_s,
-        )
+        terms = self._terms(critical=critical)
         own = self.own(tracked)
         own_rank = rank(tracked.priority)
 
