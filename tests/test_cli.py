@@ -153,6 +153,108 @@ def test_table_says_does_not_fit_and_by_how_much(capsys):
 
 
 @pytest.mark.parametrize(
+    ("typed", "tokens"),
+    [("32768", 32_768), ("32k", 32_000), ("32K", 32_768), ("128K", 131_072), ("25.6k", 25_600)],
+)
+def test_max_model_len_as_vllm_reads_it(capsys, typed, tokens):
+    """--max-model-len takes vLLM's forms: k = 1000, K = 1024."""
+    data = run_json(capsys, "llama-3.1-8b", "--max-model-len", typed)
+    assert data["max_model_len"] == tokens
+
+
+def test_max_num_batched_tokens_takes_the_same_forms(capsys):
+    """--max-num-batched-tokens 16K is 16,384 tokens and 16k 16,000, as vLLM reads them."""
+    small = run_json(capsys, "llama-3.1-8b", "--max-num-batched-tokens", "8K")
+    large = run_json(capsys, "llama-3.1-8b", "--max-num-batched-tokens", "16K")
+    assert small["inputs"]["max_num_batched_tokens"] == 8_192
+    assert large["inputs"]["max_num_batched_tokens"] == 16_384
+    decimal = run_json(capsys, "llama-3.1-8b", "--max-num-batched-tokens", "16k")
+    assert decimal["inputs"]["max_num_batched_tokens"] == 16_000
+
+
+@pytest.mark.parametrize(
+    ("typed", "size"),
+    [("24G", 24 * 1024**3), ("24Gi", 24 * 1024**3), ("24GiB", 24 * 1024**3), ("24g", 24 * 10**9)],
+)
+def test_sizes_as_people_type_them(capsys, typed, size):
+    """24G means 24 GiB, as in `vllm serve --kv-cache-memory-bytes 24G`; 24g is decimal."""
+    data = run_json(capsys, "llama-3.1-8b", "--kv-cache-memory-bytes", typed)
+    assert data["kv_pool_bytes_per_gpu"] == size
+    assert data["inputs"]["kv_cache_memory_bytes"] == size
+    data = run_json(capsys, "llama-3.1-8b", "--gpu-memory", typed)
+    assert data["gpu_memory_bytes"] == size
+
+
+def test_gpu_aliases_as_nvidia_smi_prints_them(capsys):
+    """--gpu takes the device name torch prints; the JSON names the canonical preset."""
+    data = run_json(capsys, "llama-3.1-8b", "--gpu", "NVIDIA H100 80GB HBM3")
+    assert data["inputs"]["gpu"] == "H100-SXM"
+    assert (
+        data["gpu_memory_bytes"]
+        == run_json(capsys, "llama-3.1-8b", "--gpu", "h100")["gpu_memory_bytes"]
+    )
+
+
+def test_fixed_pool_table_does_not_measure_unallocated_against_the_gpu(capsys):
+    """With --kv-cache-memory-bytes the utilization no longer applies: no such lines."""
+    argv = ["budget", "llama-3.1-8b", "--gpu", "H100", "--kv-cache-memory-bytes", "24G"]
+    assert main(argv) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "fixed KV pool 24.0 GiB" in out
+    assert "KV cache pool (fixed)" in out
+    for absent in ("unallocated", "outside utilization", "gpu_memory_utilization", "OVERCOMMIT"):
+        assert absent not in out
+    # Without the flag, the utilization and what it leaves out are shown as before.
+    assert main(["budget", "llama-3.1-8b", "--gpu", "H100"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "gpu_memory_utilization 0.9" in out
+    assert "outside utilization" in out
+
+
+def test_fixed_pool_that_overcommits_the_gpu_says_so(capsys):
+    """A fixed pool larger than what the GPU has left: OVERCOMMITTED, does not fit."""
+    argv = ["budget", "llama-3.1-8b", "--gpu", "L4", "--kv-cache-memory-bytes", "20G"]
+    assert main(argv) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "OVERCOMMITTED" in out
+    assert "DOES NOT FIT" in out
+    assert "unallocated" not in out
+
+
+def test_header_names_the_weights_dtype_and_json_the_name(capsys):
+    """DeepSeek-V3's fp8 checkpoint: weights fp8, compute bf16; model.name is filled."""
+    assert main(["budget", "deepseek-v3", "--tp", "8", "--gpu", "H200"]) == EXIT_OK
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("Model     deepseek-v3 (deepseek_v3, weights fp8, compute bf16)")
+    data = run_json(capsys, "deepseek-v3", "--tp", "8", "--gpu", "H200")
+    assert data["model"]["name"] == "deepseek-v3"
+    assert data["model"]["weights_dtype"] == "fp8"
+    assert data["model"]["dtype"] == "bf16"
+    # An unquantized model keeps the short header and says its weights are bf16.
+    assert main(["budget", "llama-3.1-8b"]) == EXIT_OK
+    assert "(llama, bf16)" in capsys.readouterr().out.splitlines()[0]
+    assert run_json(capsys, "llama-3.1-8b")["model"]["weights_dtype"] == "bf16"
+
+
+def test_hf_id_from_the_local_cache(capsys, tmp_path, monkeypatch):
+    """MODEL may be a Hugging Face id already in the cache; its name fills model.name."""
+    snapshot = tmp_path / "models--meta-llama--Llama-3.1-8B-Instruct" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    config = json.loads(
+        (Path(__file__).parents[1] / "kvguard/config/models/llama-3.1-8b/config.json").read_text()
+    )
+    config.pop("_name_or_path", None)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    data = run_json(capsys, "meta-llama/Llama-3.1-8B-Instruct", "--max-model-len", "8K")
+    assert data["model"]["name"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert data["model"]["source"] == str(snapshot / "config.json")
+    assert data["kv_bytes_per_token"] == 131_072
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["no/such/model"], "no such file or directory"),
@@ -177,7 +279,28 @@ def test_table_says_does_not_fit_and_by_how_much(capsys):
         (["llama-3.1-8b", "--concurrency", "-3"], "--concurrency: must be an integer from 1"),
         (["llama-3.1-8b", "--gpu-memory=-80GiB"], "--gpu-memory: must be a size"),
         (["llama-3.1-8b", "--gpu-memory", "0"], "--gpu-memory: must be a byte count from 1 to"),
-        (["llama-3.1-8b", "--gpu", "H300"], "--gpu: must be one of H100-80GB"),
+        (["llama-3.1-8b", "--gpu", "H300"], "--gpu: must be one of H100-SXM, H100-PCIE"),
+        (["llama-3.1-8b", "--gpu", "A100"], "--gpu: is ambiguous: name one of A100-40GB"),
+        (["llama-3.1-8b", "--gpu-memory", "24Q"], "--gpu-memory: must be a size like 80GiB"),
+        (
+            ["llama-3.1-8b", "--kv-cache-memory-bytes", "2 gigs"],
+            "--kv-cache-memory-bytes: must be a size",
+        ),
+        (
+            ["llama-3.1-8b", "--max-model-len", "1.5K"],
+            "--max-model-len: decimals are not allowed with the binary suffix K",
+        ),
+        (["llama-3.1-8b", "--max-model-len", "32kb"], "--max-model-len: must be a whole number"),
+        (["llama-3.1-8b", "--max-model-len", "auto"], "--max-model-len: must be a token count"),
+        (["llama-3.1-8b", "--max-model-len=-1"], "--max-model-len: must be a token count"),
+        (["llama-3.1-8b", "--max-model-len", "0"], "--max-model-len: must be an integer from 1"),
+        (["llama-3.1-8b", "--max-model-len", "200K"], "max_position_embeddings (131,072)"),
+        (
+            ["llama-3.1-8b", "--max-num-batched-tokens", "lots"],
+            "--max-num-batched-tokens: must be a whole number like 32768",
+        ),
+        (["llama-3.1-8b", "--concurrency", "8k"], "argument --concurrency: invalid int value"),
+        (["meta-llama/Not-Downloaded"], "models--meta-llama--Not-Downloaded/snapshots"),
         (["llama-3.1-8b", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: must be"),
         (["llama-3.1-8b", "--tp", "two"], "argument --tp: invalid int value"),
         (["llama-3.1-8b", "--gpu", "L4", "--gpu-memory", "24GiB"], "not allowed with argument"),

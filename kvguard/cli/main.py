@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from kvguard import __version__
-from kvguard.api.budget_report import budget_to_dict, render_budget
-from kvguard.cli import check_config, probe, run, status
+from kvguard.api.budget_report import budget_to_dict, render_budget, weights_dtype
+from kvguard.cli import check_config, from_vllm_log, probe, run, status
 from kvguard.cli import loadgen as loadgen_cli
 from kvguard.cli import sim_engine as engine_cli
 from kvguard.cli.demo import add_demo_parser
@@ -23,13 +23,12 @@ from kvguard.config.model_files import bundled_models, load_model_files
 from kvguard.core.budget import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
     budget_inputs_from,
     plan_budget,
 )
+from kvguard.core.engine_rules import CURRENT_VLLM, speculative_layers
 from kvguard.core.gpus import GPU_PRESETS, gpu_preset
-from kvguard.core.units import KV_DTYPES, format_bytes, parse_bytes
+from kvguard.core.units import KV_DTYPES, format_bytes, parse_bytes, parse_count
 from kvguard.errors import ConfigError, InvalidInputError, KvguardError
 
 EXIT_OK = 0
@@ -79,12 +78,16 @@ def _add_budget(commands: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument(
         "model",
         metavar="MODEL",
-        help="config.json, a directory holding it, or a bundled model name",
+        help="config.json, a directory holding it, a bundled model name, or a Hugging Face"
+        " id (ORG/NAME) already in the local Hugging Face cache",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument(
-        "--max-model-len", type=int, help="context length per sequence (default: the model's)"
+        "--max-model-len",
+        metavar="N",
+        help="context length per sequence, e.g. 32768, 32k (32,000) or 32K (32,768), read"
+        " as vLLM reads it (default: the model's)",
     )
     p.add_argument(
         "--concurrency", type=int, default=1, help="full-length sequences held at once (default 1)"
@@ -97,9 +100,16 @@ def _add_budget(commands: argparse._SubParsersAction[_Parser]) -> None:
     )
     mem = p.add_mutually_exclusive_group()
     mem.add_argument(
-        "--gpu-memory", metavar="SIZE", help="memory per GPU, e.g. 80GiB, 80GB, 81559MiB"
+        "--gpu-memory",
+        metavar="SIZE",
+        help="memory per GPU as the runtime reports it, e.g. 79.19GiB, 80Gi, 81559MiB;"
+        " G/Gi/GiB = 1024**3, GB/g = 1000**3",
     )
-    mem.add_argument("--gpu", metavar="NAME", help=f"GPU preset: {presets}")
+    mem.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help=f"GPU preset (case, spaces and a leading NVIDIA ignored): {presets}",
+    )
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -110,16 +120,47 @@ def _add_budget(commands: argparse._SubParsersAction[_Parser]) -> None:
     )
     p.add_argument(
         "--max-num-batched-tokens",
-        type=int,
-        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        help="tokens per forward pass, sizes the activation peak"
-        f" (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+        metavar="N",
+        help="tokens per forward pass, sizes the activation peak; 8192, 8k or 8K as for"
+        " --max-model-len (default: vLLM's for the GPU: 8192 from 70 GiB, not A100s,"
+        " else 2048)",
     )
     p.add_argument(
         "--max-num-seqs",
         type=int,
-        default=DEFAULT_MAX_NUM_SEQS,
-        help=f"sequences per step, sizes the sampler logits (default {DEFAULT_MAX_NUM_SEQS})",
+        help="sequences per step, sizes the sampler's profile (default: vLLM's for the GPU:"
+        " 1024 from 70 GiB, not A100s, else 256)",
+    )
+    p.add_argument(
+        "--engine-version",
+        metavar="X.Y",
+        help="vLLM version whose memory rules to follow (default: the current one,"
+        f" {CURRENT_VLLM[0]}.{CURRENT_VLLM[1]}); 0.7 and older are the V0 engine",
+    )
+    spec = p.add_mutually_exclusive_group()
+    spec.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='vLLM\'s --speculative-config, e.g. \'{"method": "eagle3", "model": "...",'
+        " \"num_speculative_tokens\": 3}': its drafter's KV layers share the pool",
+    )
+    spec.add_argument(
+        "--speculative-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N extra attention layers with the target's KV shape (EAGLE/MTP heads)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="as vLLM's flag: no CUDA graphs, so none are taken from the pool",
+    )
+    p.add_argument(
+        "--from-vllm-log",
+        metavar="FILE",
+        help="read a vLLM start-up log: compare kvguard's prediction with what vLLM"
+        " measured, then answer the other flags as what-ifs from the measured figures",
     )
     p.add_argument(
         "--block-size",
@@ -133,7 +174,9 @@ def _add_budget(commands: argparse._SubParsersAction[_Parser]) -> None:
         help="weight size of the whole model (overrides index and estimate)",
     )
     p.add_argument(
-        "--kv-cache-memory-bytes", metavar="SIZE", help="fixed KV pool per GPU, as vLLM's flag"
+        "--kv-cache-memory-bytes",
+        metavar="SIZE",
+        help="fixed KV pool per GPU, as vLLM's flag (24G = 24 GiB, as vLLM reads it)",
     )
     p.add_argument(
         "--activation-bytes",
@@ -158,6 +201,26 @@ def _size(text: str | None, flag: str) -> int | None:
     return None if text is None else parse_bytes(text, flag)
 
 
+def _count(text: object, flag: str) -> int | None:
+    return None if text is None else parse_count(str(text), flag)
+
+
+def _max_model_len(text: str | None) -> int | None:
+    """``--max-model-len``: None (the model's limit) or a count as vLLM reads it."""
+    if text is None:
+        return None
+    if text.strip().lower() in ("auto", "-1"):
+        # vLLM's "auto" fits the context to the memory it finds; kvguard reports that
+        # length as "Max context" rather than taking it as an input.
+        raise InvalidInputError(
+            "--max-model-len",
+            text,
+            "must be a token count: vLLM's auto (fit to memory) is what the"
+            " 'Max context' line reports; omit the flag for the model's own limit",
+        )
+    return parse_count(text, "--max-model-len")
+
+
 def _run_budget(args: argparse.Namespace) -> int:
     memory: int | None
     if args.gpu is not None:
@@ -166,27 +229,51 @@ def _run_budget(args: argparse.Namespace) -> int:
     else:
         memory = _size(args.gpu_memory, "--gpu-memory")
         gpu = "custom" if memory is not None else "default (80 GiB)"
+    files = load_model_files(args.model)
+    speculative = args.speculative_layers
+    notes: tuple[str, ...] = ()
+    if args.speculative_config is not None:
+        drafter = speculative_layers(_json_arg(args.speculative_config), files.config)
+        speculative, notes = drafter.layers, (f"speculative decoding: {drafter.source}",)
     inputs = budget_inputs_from(
         args,
+        gpu_name=gpu if args.gpu is not None else None,
+        speculative_layers=speculative,
+        max_model_len=_max_model_len(args.max_model_len),
+        max_num_batched_tokens=_count(args.max_num_batched_tokens, "--max-num-batched-tokens"),
         gpu_memory_bytes=memory,
         weights_bytes=_size(args.weights_bytes, "--weights-bytes"),
         kv_cache_memory_bytes=_size(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes"),
         activation_bytes=_size(args.activation_bytes, "--activation-bytes"),
         overhead_bytes=_size(args.overhead_bytes, "--overhead-bytes"),
     )
-    files = load_model_files(args.model)
+    if args.from_vllm_log is not None:
+        return from_vllm_log.run(args, files, inputs, gpu, notes)
     report = plan_budget(
-        files.config, inputs, index_total_size=files.index_total_size, source=files.source
+        files.config,
+        inputs,
+        index_total_size=files.index_total_size,
+        source=files.source,
+        notes=notes,
     )
+    weights = weights_dtype(files.config, report.budget.model)
     if args.json:
-        print(json.dumps(budget_to_dict(report, files.source, gpu), indent=2))
+        data = budget_to_dict(report, files.source, gpu, name=files.name, weights=weights)
+        print(json.dumps(data, indent=2))
     else:
-        print(render_budget(report, files.source, gpu))
+        print(render_budget(report, files.source, gpu, name=files.name, weights=weights))
     if args.check and not report.budget.fits:
         short = format_bytes(-report.budget.headroom_bytes_per_gpu)
         print(f"kvguard budget: does not fit (short by {short} per GPU)", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     return EXIT_OK
+
+
+def _json_arg(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInputError("--speculative-config", text, f"must be JSON ({exc.msg})") from None
 
 
 def _flag(field: str) -> str:

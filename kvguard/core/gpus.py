@@ -1,13 +1,24 @@
 """GPU presets for ``kvguard budget --gpu NAME``.
 
-Each size is the total memory the driver reports for that board (``nvidia-smi
---query-gpu=memory.total``, or ROCm's figure for AMD), not the marketing number:
-an "80GB" H100 reports 81,559 MiB, and planning with 80e9 bytes would be wrong by 7%.
+Each size is the total memory the CUDA (or ROCm) runtime reports for the board:
+``torch.cuda.mem_get_info()[1]``, which vLLM logs as ``total_gpu_memory`` and in
+"Free memory on device (free/TOTAL GiB)", and which PyTorch's out-of-memory message
+calls "total capacity". vLLM multiplies exactly this figure by
+``--gpu-memory-utilization``. It is neither the marketing number ("80GB") nor
+nvidia-smi's ``memory.total`` (81,559 MiB on an H100): the driver keeps a few hundred
+MiB of the latter for itself, so planning with it overstates the pool by that much.
+
+The figure moves by a few tens of MiB between driver versions and with ECC; each
+preset names the public log it was read from. Where no log was found the figure is
+marked *derived*: nvidia-smi's MiB total less the reservation a sibling board shows.
+For a board at hand, ``--gpu-memory`` with the figure vLLM logs beats any preset.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from kvguard.core.units import GiB, MiB
 from kvguard.errors import InvalidInputError
@@ -15,30 +26,123 @@ from kvguard.errors import InvalidInputError
 
 @dataclass(frozen=True)
 class GpuPreset:
-    """A known accelerator: its canonical name and total memory in bytes."""
+    """A known accelerator: canonical name, runtime-reported total memory, other names.
+
+    ``aliases`` are further names it answers to, such as the name nvidia-smi and
+    torch print ("H100 80GB HBM3") or an older kvguard preset name ("H100-80GB").
+    """
 
     name: str
     memory_bytes: int
+    aliases: tuple[str, ...] = ()
 
+
+def _gib(figure: str) -> int:
+    """Bytes of a GiB figure as logs print it (two decimals), e.g. ``"79.11"``."""
+    return int(Fraction(figure) * GiB)
+
+
+# H100 SXM and PCIe carry the same 80 GB of HBM (nvidia-smi: 81,559 MiB on both).
+_H100_80GB = _gib("79.19")
+# The reservation an H100 shows between nvidia-smi (81,559 MiB) and the runtime
+# (81,090 MiB, torch.cuda.get_device_properties printouts): used for derived Hopper figures.
+_HOPPER_RESERVED_MIB = 81_559 - 81_090
 
 GPU_PRESETS: tuple[GpuPreset, ...] = (
-    GpuPreset("H100-80GB", 81_559 * MiB),
-    GpuPreset("H200-141GB", 143_771 * MiB),
-    GpuPreset("A100-40GB", 40_960 * MiB),
-    GpuPreset("A100-80GB", 81_920 * MiB),
-    GpuPreset("L4", 23_034 * MiB),
-    GpuPreset("L40S", 46_068 * MiB),
-    GpuPreset("A10G", 23_028 * MiB),
-    GpuPreset("RTX-4090", 24_564 * MiB),
-    GpuPreset("MI300X", 192 * GiB),
+    # 79.19 GiB: vLLM 0.19's total_gpu_memory on H100 in llm-d-planner's start-up logs
+    # (github.com/llm-d-incubation/llm-d-planner, accuracy/results/v0.19.0/logs);
+    # 79.18 in llm-d-benchmark's, 79.22 in vLLM PR 10511's, 79.11 in vLLM issue 27508's
+    # OOM message: drivers differ by a few hundredths of a GiB.
+    GpuPreset("H100-SXM", _H100_80GB, ("H100", "H100-80GB", "H100 80GB HBM3", "H100-SXM5-80GB")),
+    # derived: same 80 GB HBM and nvidia-smi total (81,559 MiB) as the SXM board.
+    GpuPreset("H100-PCIE", _H100_80GB, ("H100 PCIe", "H100-PCIE-80GB")),
+    # 93.00 GiB: "total capacity of 93.00 GiB" on an "H100 NVL 94GB",
+    # https://github.com/ali-vilab/VACE/issues/56
+    GpuPreset("H100-NVL", _gib("93.00"), ("H100 NVL", "H100-94GB")),
+    # 139.72 GiB: "Free memory on device (7.34/139.72 GiB)",
+    # https://github.com/vllm-project/vllm/issues/23192
+    GpuPreset("H200", _gib("139.72"), ("H200-141GB", "H200-SXM", "H200 141GB HBM3e")),
+    # 178.35 GiB: cudaDeviceProp totalGlobalMem of "NVIDIA B200" (printed as "178.35 GB",
+    # binary units), https://github.com/pytorch/ao/pull/4002
+    GpuPreset("B200", _gib("178.35"), ("B200-180GB",)),
+    # derived: nvidia-smi 189,471 MiB less the 729 MiB a B200 shows between nvidia-smi
+    # (183,359 MiB) and the runtime (178.35 GiB); no public runtime figure found.
+    GpuPreset("GB200", (189_471 - 729) * MiB, ()),
+    # derived: the 96 GB HBM3 GH200 (the "480GB" superchip); nvidia-smi 97,871 MiB less
+    # the H100's reservation. The 144 GB HBM3e variant is larger: pass --gpu-memory.
+    GpuPreset("GH200", (97_871 - _HOPPER_RESERVED_MIB) * MiB, ("GH200 480GB", "GH200-96GB")),
+    # derived: nvidia-smi 97,871 MiB less the H100's reservation; no public runtime
+    # figure found. (The 141 GB H20 variant is larger: pass --gpu-memory.)
+    GpuPreset("H20", (97_871 - _HOPPER_RESERVED_MIB) * MiB, ("H20-96GB",)),
+    # 42,298,834,944 B (39.39 GiB): deviceQuery "Total amount of global memory" of an
+    # "NVIDIA A100-SXM4-40GB", https://github.com/bottlerocket-os/bottlerocket/pull/3873
+    GpuPreset("A100-40GB", 42_298_834_944, ("A100-SXM4-40GB", "A100-PCIE-40GB")),
+    # 79.25 GiB: "79.25 GiB total capacity" on an A100 80GB,
+    # https://github.com/levihsu/OOTDiffusion/issues/235
+    GpuPreset("A100-80GB", _gib("79.25"), ("A100-SXM4-80GB", "A100 80GB PCIe")),
+    # 22.18 GiB: "GPU 0 has a total capacity of 22.18 GiB" on one A10,
+    # https://github.com/OpenBMB/MiniCPM-V/issues/640
+    GpuPreset("A10", _gib("22.18"), ()),
+    # derived: the A10's figure; both report 23,028 MiB in nvidia-smi
+    # (https://github.com/modal-labs/modal-client/pull/2797 and, for the A10G,
+    # https://github.com/AUTOMATIC1111/stable-diffusion-webui/issues/1259).
+    GpuPreset("A10G", _gib("22.18"), ()),
+    # derived: the L40S's runtime figure; both report 46,068 MiB in nvidia-smi with ECC on.
+    GpuPreset("A40", _gib("44.42"), ()),
+    # 47.54 GiB: "47.54 GiB total capacity" on an A6000,
+    # https://github.com/google-research/semivl/issues/18
+    GpuPreset("A6000", _gib("47.54"), ("RTX A6000", "RTX-A6000")),
+    # 44.40 GiB: "total capacity of 44.40 GiB" on an L40,
+    # https://github.com/QwenLM/Qwen3-VL/issues/2097
+    GpuPreset("L40", _gib("44.40"), ()),
+    # 44.42 GiB: "total capacity of 44.42 GiB" on 8 x L40S,
+    # https://github.com/stepfun-ai/Step-Video-T2V/issues/8
+    GpuPreset("L40S", _gib("44.42"), ()),
+    # 22.03 GiB: "GPU 0 has a total capacity of 22.03 GiB" on an L4,
+    # https://github.com/ArcInstitute/evo2/issues/190
+    GpuPreset("L4", _gib("22.03"), ()),
+    # 23.56 GiB: "Free memory on device (22.93/23.56 GiB)" on 8 x RTX 3090,
+    # https://github.com/wtdcode/vllm-backport/issues/34 (other logs: 23.58 GiB).
+    GpuPreset("RTX-3090", _gib("23.56"), ("GeForce RTX 3090", "3090")),
+    # 23.65 GiB: "total capacty of 23.65 GiB" on 4 x RTX 4090,
+    # https://github.com/QwenLM/Qwen3/issues/678
+    GpuPreset("RTX-4090", _gib("23.65"), ("GeForce RTX 4090", "4090")),
+    # derived: 192 GiB of HBM3 as ROCm reports it (191.98 GiB); no public runtime log
+    # with the figure was found.
+    GpuPreset("MI300X", _gib("191.98"), ("AMD Instinct MI300X", "Instinct MI300X")),
 )
+
+# Names that fit more than one board: refused with the choices rather than guessed,
+# since the two differ by 40 GB.
+_AMBIGUOUS: dict[str, tuple[str, ...]] = {"a100": ("A100-40GB", "A100-80GB")}
+
+
+def _key(name: str) -> str:
+    """Matching key: lowercase, no ``NVIDIA``/``AMD`` prefix, no spaces, ``-`` or ``_``."""
+    key = name.strip().lower()
+    key = re.sub(r"^(nvidia|amd)[\s_-]*", "", key)
+    return re.sub(r"[\s_-]+", "", key)
+
+
+_BY_KEY: dict[str, GpuPreset] = {
+    _key(alias): preset for preset in GPU_PRESETS for alias in (preset.name, *preset.aliases)
+}
 
 
 def gpu_preset(name: str) -> GpuPreset:
-    """Look a preset up by name, ignoring case; the error lists every known name."""
-    wanted = name.strip().lower()
-    for preset in GPU_PRESETS:
-        if preset.name.lower() == wanted:
-            return preset
-    known = ", ".join(p.name for p in GPU_PRESETS)
-    raise InvalidInputError("gpu", name, f"must be one of {known}")
+    """Look a preset up by name or alias, as people type it.
+
+    Case, spaces, ``-`` versus ``_`` and a leading ``NVIDIA `` do not matter, so
+    ``h100``, ``NVIDIA H100 80GB HBM3`` and ``rtx_4090`` all match. An unknown or
+    ambiguous name raises :class:`InvalidInputError` listing the canonical names.
+    """
+    key = _key(name)
+    if key in _AMBIGUOUS:
+        raise InvalidInputError(
+            "gpu", name, f"is ambiguous: name one of {', '.join(_AMBIGUOUS[key])}"
+        )
+    preset = _BY_KEY.get(key)
+    if preset is None:
+        known = ", ".join(p.name for p in GPU_PRESETS)
+        raise InvalidInputError("gpu", name, f"must be one of {known} (or give --gpu-memory SIZE)")
+    return preset

@@ -13,8 +13,8 @@ GiB = 1024**3
 TiB = 1024**4
 
 # Decimal units are what disk and GPU vendors print ("80 GB"); binary units are what
-# nvidia-smi and the kernel print ("81559MiB"). Both are accepted, spelled out, so
-# an operator never has to guess which one a bare "G" meant.
+# nvidia-smi, torch and the kernel print ("81559MiB", "79.19 GiB"); Kubernetes
+# writes binary units without the B ("24Gi"). All are accepted, case-insensitively.
 _UNITS: dict[str, int] = {
     "b": 1,
     "kb": 1000,
@@ -25,8 +25,35 @@ _UNITS: dict[str, int] = {
     "mib": MiB,
     "gib": GiB,
     "tib": TiB,
+    "ki": KiB,
+    "mi": MiB,
+    "gi": GiB,
+    "ti": TiB,
+}
+# A lone suffix letter follows vLLM's human_readable_int (vllm/utils/argparse_utils.py,
+# used by vLLM's --max-model-len, --max-num-batched-tokens and --kv-cache-memory-bytes):
+# lowercase is decimal, uppercase is binary. So "24G" means here what it means in
+# `vllm serve --kv-cache-memory-bytes 24G`: 24 GiB; "24g" is 24 * 10**9.
+_SUFFIXES: dict[str, int] = {
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "K": KiB,
+    "M": MiB,
+    "G": GiB,
+    "T": TiB,
 }
 _BYTES_RE = re.compile(r"^\s*(?P<num>[0-9]+(?:\.[0-9]+)?|\.[0-9]+)\s*(?P<unit>[a-zA-Z]*)\s*$")
+_COUNT_RE = re.compile(r"^(?P<num>[0-9]+(?:\.[0-9]+)?)(?P<suffix>[kKmMgGtT])$")
+_SIZE_ALLOWED = (
+    "must be a size like 80GiB, 24Gi, 24G, 80GB, 81559MiB or a plain byte count"
+    " (GiB/Gi/G = 1024**3, GB/g = 1000**3; likewise K, M, T)"
+)
+_COUNT_ALLOWED = (
+    "must be a whole number like 32768, 32k (= 32,000) or 32K (= 32,768);"
+    " lowercase k/m/g/t are powers of 1000, uppercase K/M/G/T powers of 1024, as vLLM reads them"
+)
 
 # Bytes per element of each KV-cache (or weight) data type. llama.cpp's q8_0 and
 # q4_0 carry a small per-block scale on top (34 and 18 bytes per 32 values); the
@@ -54,24 +81,55 @@ KV_DTYPES: tuple[str, ...] = ("auto", *DTYPE_BYTES)
 
 
 def parse_bytes(text: str, field: str = "memory") -> int:
-    """Parse a byte quantity such as ``80GiB``, ``80GB``, ``81559MiB`` or ``1234``.
+    """Parse a byte quantity as operators type it: ``80GiB``, ``24Gi``, ``24G``, ``80GB``.
 
-    A bare number is bytes. Raises :class:`InvalidInputError` naming ``field`` for
-    anything else, including negative numbers and unknown units.
+    Spelled-out units are case-insensitive: ``KiB``/``Ki`` … ``TiB``/``Ti`` are binary,
+    ``KB`` … ``TB`` decimal, ``B`` bytes. A lone letter reads as vLLM's own flags read it:
+    ``K``/``M``/``G``/``T`` binary, ``k``/``m``/``g``/``t`` decimal. A bare number is bytes
+    and must be whole; a fraction of a larger unit rounds down to whole bytes. Raises
+    :class:`InvalidInputError` naming ``field`` for anything else, negative numbers included.
     """
     match = _BYTES_RE.match(text)
-    allowed = (
-        "must be a size like 80GiB, 80GB, 81559MiB or a plain byte count"
-        " (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-    )
     if match is None:
-        raise InvalidInputError(field, text, allowed)
-    unit = match["unit"].lower() or "b"
-    if unit not in _UNITS:
-        raise InvalidInputError(field, text, allowed)
-    value = Fraction(match["num"]) * _UNITS[unit]
-    if value.denominator != 1 and unit == "b":
+        raise InvalidInputError(field, text, _SIZE_ALLOWED)
+    unit = match["unit"]
+    scale = _SUFFIXES.get(unit) if len(unit) == 1 and unit.lower() != "b" else None
+    if scale is None:
+        scale = _UNITS.get(unit.lower() or "b")
+    if scale is None:
+        raise InvalidInputError(field, text, _SIZE_ALLOWED)
+    value = Fraction(match["num"]) * scale
+    if value.denominator != 1 and scale == 1:
         raise InvalidInputError(field, text, "a byte count must be a whole number")
+    return int(value)
+
+
+def parse_count(text: str, field: str) -> int:
+    """Parse a token count as vLLM's ``human_readable_int`` does: ``32768``, ``32k``, ``32K``.
+
+    A lowercase suffix multiplies by a power of 1000 and may follow a decimal
+    (``25.6k`` = 25,600); an uppercase one by a power of 1024 and needs a whole number
+    (``32K`` = 32,768), as in vLLM. Unlike vLLM, a decimal that does not come out whole
+    (``1.0005k``) is refused rather than truncated. The range is checked by the caller;
+    anything unparsable raises :class:`InvalidInputError` naming ``field``.
+    """
+    value = text.strip()
+    match = _COUNT_RE.match(value)
+    if match is not None:
+        number, suffix = match["num"], match["suffix"]
+        if suffix.isupper() and "." in number:
+            raise InvalidInputError(
+                field,
+                text,
+                f"decimals are not allowed with the binary suffix {suffix}"
+                f" (did you mean {number}{suffix.lower()}?)",
+            )
+        count = Fraction(number) * _SUFFIXES[suffix]
+        if count.denominator != 1:
+            raise InvalidInputError(field, text, "must come out a whole number of tokens")
+        return int(count)
+    if re.fullmatch(r"[+-]?[0-9]+", value) is None:
+        raise InvalidInputError(field, text, _COUNT_ALLOWED)
     return int(value)
 
 

@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from kvguard.config.model_files import BUNDLED_MODELS_DIR
+from kvguard.core.budget import ceil_div
 from kvguard.core.units import GiB
 
 
@@ -45,23 +46,45 @@ def test_mla_latent_is_not_split_by_tp(budget_of):
         assert budget_of("deepseek-v3", tp=tp).budget.kv_bytes_per_token_per_gpu == 70_272
 
 
-def test_mistral_sequence_is_capped_by_its_sliding_window(budget_of):
-    """Mistral-7B-v0.1 keeps 4,096 tokens per layer: 512 MiB at any longer context."""
-    for length in (4_096, 32_768):
-        b = budget_of("mistral-7b-v0.1", max_model_len=length).budget
-        assert b.kv_bytes_per_sequence == 536_870_912
-    assert budget_of("mistral-7b-v0.1", max_model_len=1_000).budget.kv_bytes_per_sequence == (
-        131_072 * 1_008  # block-rounded up to 63 blocks of 16
-    )
+def test_mistral_sequence_reserves_its_window_and_the_tokens_in_flight(budget_of):
+    """Mistral-7B-v0.1's sliding layers reserve window - 1 + one batch, plus one block.
+
+    vLLM 0.11 (one batch in flight, 2,048 batched tokens): min(4,095 + 2,048, L)
+    tokens, 385 blocks of 16 at any context past 6,143 (2 MiB a block, whole model).
+    """
+    for length in (8_192, 32_768):
+        b = budget_of(
+            "mistral-7b-v0.1",
+            max_model_len=length,
+            engine_version="0.11",
+            max_num_batched_tokens=2048,
+        ).budget
+        assert b.kv_bytes_per_sequence == 385 * 16 * 131_072
+    short = budget_of(
+        "mistral-7b-v0.1", max_model_len=1_000, engine_version="0.11", max_num_batched_tokens=2048
+    ).budget
+    assert short.kv_bytes_per_sequence == (63 + 1) * 16 * 131_072  # 1,000 tokens, +1 block
+
+
+def test_async_scheduling_doubles_the_tokens_a_window_reserves(budget_of):
+    """From 0.21 two batches are in flight: Mistral at 32K reserves 4,095 + 2 x 2,048."""
+    b = budget_of("mistral-7b-v0.1", max_model_len=32_768, max_num_batched_tokens=2048).budget
+    assert b.kv_bytes_per_sequence == (ceil_div(4_095 + 4_096, 16) + 1) * 16 * 131_072
 
 
 def test_gemma2_alternates_sliding_and_full_layers(budget_of):
-    """Gemma-2-9B: 21 full + 21 sliding layers; 8,192 tokens = 172,032 x (8,192 + 4,096) B."""
-    b = budget_of("gemma-2-9b", max_model_len=8_192).budget
+    """Gemma-2-9B: 21 full + 21 sliding layers in two groups of 21.
+
+    At 8,192 tokens the full group holds 512 blocks, the sliding one
+    cdiv(4,095 + 2,048, 16) + 1 = 385 (vLLM 0.11, 2,048 batched tokens).
+    """
+    b = budget_of(
+        "gemma-2-9b", max_model_len=8_192, engine_version="0.11", max_num_batched_tokens=2048
+    ).budget
     assert b.model.full_layers == 21
     assert b.model.sliding_layers == 21
     assert b.model.layer_kinds[0] == "sliding"
-    assert b.kv_bytes_per_sequence == 172_032 * (8_192 + 4_096)
+    assert b.kv_bytes_per_sequence == 172_032 * 16 * (512 + 385)
 
 
 def test_llama_8b_weights_come_from_the_index_when_present(budget_of):
@@ -160,9 +183,15 @@ def test_qwen2_sliding_window_enabled_uses_max_window_layers(budget_of, tmp_path
     config = json.loads((BUNDLED_MODELS_DIR / "qwen2.5-7b-instruct" / "config.json").read_text())
     config.update(use_sliding_window=True, sliding_window=4_096, max_window_layers=20)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    b = budget_of(str(tmp_path), max_model_len=32_768).budget
+    b = budget_of(
+        str(tmp_path), max_model_len=32_768, engine_version="0.11", max_num_batched_tokens=2048
+    ).budget
     assert (b.model.full_layers, b.model.sliding_layers) == (20, 8)
-    assert b.kv_bytes_per_sequence == 2 * 4 * 128 * 2 * (20 * 32_768 + 8 * 4_096)
+    # Groups of 8 layers (the smaller kind): the 20 full layers fill three groups,
+    # four of whose layers are padding vLLM still allocates; the sliding group holds
+    # cdiv(4,095 + 2,048, 16) + 1 = 385 blocks.
+    per_layer_block = 2 * 4 * 128 * 2 * 16
+    assert b.kv_bytes_per_sequence == per_layer_block * 8 * (3 * 2_048 + 385)
 
 
 def test_fixed_pool_that_overcommits_the_gpu_does_not_fit(budget_of):
@@ -180,10 +209,14 @@ def test_fixed_pool_that_overcommits_the_gpu_does_not_fit(budget_of):
 
 def test_pipeline_stages_hold_their_own_layers(budget_of):
     """Gemma-2 over pp=4: stages of 11, 11, 10, 10 layers; the fullest sets the per-GPU figure."""
-    b = budget_of("gemma-2-9b", pp=4, max_model_len=8192).budget
-    # Stage 1 holds layers 11-21: six full (odd) and five sliding, the most KV per sequence.
+    b = budget_of(
+        "gemma-2-9b", pp=4, max_model_len=8192, engine_version="0.11", max_num_batched_tokens=2048
+    ).budget
+    # Stage 1 holds layers 11-21: six full (odd) and five sliding, the most KV per
+    # sequence. Six and five are within 1.5x, so both groups hold six layers (one of
+    # the sliding group's is padding); the sliding one holds 385 blocks of 16.
     assert b.kv_bytes_per_token_per_gpu == 11 * 8_192
-    assert b.kv_bytes_per_sequence_per_gpu == 8_192 * (6 * 8_192 + 5 * 4_096)
+    assert b.kv_bytes_per_sequence_per_gpu == 8_192 * 16 * 6 * (512 + 385)
 
 
 def test_kv_dtype_names_are_case_insensitive(budget_of):

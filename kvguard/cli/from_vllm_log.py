@@ -1,0 +1,220 @@
+"""``kvguard budget MODEL --from-vllm-log FILE``: check the budget against a real start-up.
+
+vLLM prints what it measured while sizing its KV pool (weights, activation peak,
+non-torch memory, the pool, its tokens and blocks). This command reads those
+figures, predicts the same start-up from the model and the logged settings alone,
+prints both side by side with the difference, and then answers the operator's other
+flags (``--max-model-len``, ``--concurrency``, ``--kv-cache-dtype``,
+``--gpu-memory-utilization``) as what-ifs from the measured figures, which are
+exact for that engine, GPU and version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from kvguard.api.budget_report import budget_to_dict, render_budget
+from kvguard.config.model_files import ModelFiles
+from kvguard.core.budget import Budget, BudgetInputs, BudgetReport, plan_budget
+from kvguard.core.units import GiB
+from kvguard.core.vllm_log import VllmStartupLog, parse_vllm_log
+from kvguard.errors import InvalidInputError
+
+EXIT_OK = 0
+
+
+def run(
+    args: argparse.Namespace,
+    files: ModelFiles,
+    inputs: BudgetInputs,
+    gpu: str,
+    notes: tuple[str, ...],
+) -> int:
+    """Print the comparison and the calibrated what-if; exit 0 (bad input raises)."""
+    path = Path(args.from_vllm_log)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise InvalidInputError("--from-vllm-log", str(path), f"cannot be read ({exc})") from None
+    log = parse_vllm_log(text, source=path.name)
+    as_run = logged_inputs(log, inputs)
+    predicted = plan_budget(
+        files.config,
+        as_run,
+        index_total_size=files.index_total_size,
+        source=files.source,
+        notes=notes,
+    )
+    what_if = calibrated_inputs(log, what_if_inputs(args, as_run, inputs), predicted.budget)
+    calibrated = plan_budget(
+        files.config, what_if, index_total_size=files.index_total_size, source=files.source
+    )
+    rows = comparison(log, predicted.budget)
+    if log.total_gpu_memory_bytes:
+        gpu = f"as logged ({log.total_gpu_memory_bytes / GiB:.2f} GiB)"
+    if args.json:
+        data = {
+            "log": {k: v for k, v in asdict(log).items() if v is not None},
+            "comparison": rows,
+            "predicted": budget_to_dict(predicted, files.source, gpu, name=files.name),
+            "calibrated": budget_to_dict(calibrated, files.source, gpu, name=files.name),
+        }
+        print(json.dumps(data, indent=2))
+        return EXIT_OK
+    print(render_comparison(log, rows, predicted))
+    print()
+    print("What-if from the logged figures (weights, activation and overhead as measured):")
+    print(render_budget(calibrated, files.source, gpu, name=files.name))
+    return EXIT_OK
+
+
+def logged_inputs(log: VllmStartupLog, given: BudgetInputs) -> BudgetInputs:
+    """The settings the logged start-up ran with; the operator's flags fill the gaps."""
+    gpus_total = log.total_gpu_memory_bytes or given.gpu_memory_bytes
+    return replace(
+        given,
+        tp=log.tensor_parallel_size or given.tp,
+        pp=log.pipeline_parallel_size or given.pp,
+        max_model_len=log.max_model_len or given.max_model_len,
+        gpu_memory_utilization=log.gpu_memory_utilization or given.gpu_memory_utilization,
+        kv_cache_dtype=_kv_dtype(log.kv_cache_dtype) or given.kv_cache_dtype,
+        block_size=log.block_size or given.block_size,
+        max_num_batched_tokens=log.max_num_batched_tokens or given.max_num_batched_tokens,
+        max_num_seqs=log.max_num_seqs or given.max_num_seqs,
+        engine_version=log.version or given.engine_version,
+        enforce_eager=log.enforce_eager if log.enforce_eager is not None else given.enforce_eager,
+        gpu_memory_bytes=gpus_total,
+        concurrency=1,
+    )
+
+
+def what_if_inputs(
+    args: argparse.Namespace, as_run: BudgetInputs, given: BudgetInputs
+) -> BudgetInputs:
+    """The logged settings with what the operator asked about instead."""
+    changes: dict[str, object] = {"concurrency": given.concurrency}
+    if args.max_model_len is not None:
+        changes["max_model_len"] = given.max_model_len
+    if args.kv_cache_dtype != "auto":
+        changes["kv_cache_dtype"] = given.kv_cache_dtype
+    if "--gpu-memory-utilization" in _argv_flags(args):
+        changes["gpu_memory_utilization"] = given.gpu_memory_utilization
+    return replace(as_run, **changes)  # type: ignore[arg-type]
+
+
+def _argv_flags(args: argparse.Namespace) -> set[str]:
+    return set(getattr(args, "given_flags", ()))
+
+
+def calibrated_inputs(log: VllmStartupLog, inputs: BudgetInputs, predicted: Budget) -> BudgetInputs:
+    """``inputs`` with the memory lines vLLM measured in place of kvguard's estimates.
+
+    Where the log has no breakdown but does give the pool, whatever the pool did not
+    take (memory x utilization - pool - weights) is counted as overhead, so the
+    calibrated budget reproduces the logged pool exactly.
+    """
+    gpus = inputs.tp * inputs.pp
+    weights = log.weights_bytes or predicted.weights_bytes_per_gpu
+    activation = log.activation_peak_bytes
+    overhead = log.non_torch_bytes
+    if overhead is not None and log.cuda_graph_reserved_before_kv_cache:
+        overhead += log.cuda_graph_estimate_bytes or 0
+    total = log.total_gpu_memory_bytes
+    if (activation is None or overhead is None) and total and log.kv_cache_memory_bytes:
+        util = log.gpu_memory_utilization or predicted.inputs.gpu_memory_utilization
+        rest = int(total * util) - log.kv_cache_memory_bytes - weights
+        activation, overhead = 0, max(0, rest)
+    return replace(
+        inputs,
+        weights_bytes=weights * gpus,
+        activation_bytes=activation,
+        overhead_bytes=overhead,
+    )
+
+
+def comparison(log: VllmStartupLog, b: Budget) -> list[dict[str, object]]:
+    """One row per figure both sides have: what kvguard predicted, what vLLM logged."""
+    pairs: list[tuple[str, float | None, float, str]] = [
+        ("GPU memory (GiB)", _gib(log.total_gpu_memory_bytes), b.gpu_memory_bytes / GiB, "GiB"),
+        ("weights (GiB)", _gib(log.weights_bytes), b.weights_bytes_per_gpu / GiB, "GiB"),
+        (
+            "activation peak (GiB)",
+            _gib(log.activation_peak_bytes),
+            b.activation_bytes_per_gpu / GiB,
+            "GiB",
+        ),
+        ("non-torch + graphs (GiB)", _gib(_overhead(log)), b.overhead_bytes_per_gpu / GiB, "GiB"),
+        ("KV pool (GiB)", _gib(log.kv_cache_memory_bytes), b.kv_pool_bytes_per_gpu / GiB, "GiB"),
+        ("KV tokens", log.kv_cache_tokens, float(b.kv_capacity_tokens), "tokens"),
+        ("blocks", log.gpu_blocks, float(b.kv_capacity_blocks), "blocks"),
+        ("max concurrency", log.max_concurrency, b.max_concurrency_ratio, "x"),
+    ]
+    rows: list[dict[str, object]] = []
+    for name, logged, predicted, unit in pairs:
+        if logged is None:
+            continue
+        diff = predicted - logged
+        rows.append(
+            {
+                "figure": name,
+                "unit": unit,
+                "logged": round(logged, 4),
+                "predicted": round(predicted, 4),
+                "difference": round(diff, 4),
+                "difference_pct": round(100 * diff / logged, 2) if logged else None,
+            }
+        )
+    return rows
+
+
+def _overhead(log: VllmStartupLog) -> int | None:
+    if log.non_torch_bytes is None:
+        return None
+    graphs = log.cuda_graph_estimate_bytes if log.cuda_graph_reserved_before_kv_cache else 0
+    return log.non_torch_bytes + (graphs or 0)
+
+
+def _gib(n: int | None) -> float | None:
+    return None if n is None else n / GiB
+
+
+def _kv_dtype(name: str | None) -> str | None:
+    if name is None or name == "auto":
+        return None
+    return name
+
+
+def render_comparison(
+    log: VllmStartupLog, rows: list[dict[str, object]], report: BudgetReport
+) -> str:
+    """The side-by-side table of what vLLM logged and what kvguard predicted."""
+    b = report.budget
+    version = log.version or "unknown version"
+    lines = [
+        f"vLLM start-up log {log.source} ({version}, {log.model or 'model not named'})",
+        f"Predicted with {b.engine_rule}, tp={b.inputs.tp}, pp={b.inputs.pp},"
+        f" max_model_len {b.max_model_len:,}, utilization {b.inputs.gpu_memory_utilization:g},"
+        f" {b.max_num_batched_tokens:,} batched tokens, {b.max_num_seqs:,} sequences",
+        "",
+        f"  {'figure':<26} {'vLLM logged':>14} {'kvguard':>14} {'difference':>12}",
+    ]
+    for row in rows:
+        pct = row["difference_pct"]
+        lines.append(
+            f"  {row['figure']!s:<26} {_num(row['logged']):>14} {_num(row['predicted']):>14}"
+            f" {(f'{pct:+.1f}%' if isinstance(pct, float) else '-'):>12}"
+        )
+    if not rows:
+        lines.append("  (the log gives no figure kvguard also predicts)")
+    return "\n".join(lines)
+
+
+def _num(value: object) -> str:
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:,.2f}"
+    if isinstance(value, (int, float)):
+        return f"{int(value):,}"
+    return str(value)
