@@ -218,6 +218,40 @@ def test_check_config_validates_the_model_budget(tmp_path):
     )
 
 
+def test_check_config_refuses_an_engine_version_it_cannot_read(tmp_path):
+    """[model] engine_version picks the vLLM rule; an unreadable one names the key."""
+    path = tmp_path / "k.toml"
+    path.write_text(
+        '[engine]\nurl = "http://127.0.0.1:8000"\n[model]\nconfig = "llama-3.1-8b"\n'
+        'engine_version = "latest"\n'
+    )
+    result = subprocess.run(
+        [KVGUARD, "check-config", str(path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 1
+    assert "model.engine_version: must be a vLLM version" in result.stderr
+
+
+def test_the_daemon_budget_follows_the_configured_engine_version(tmp_path):
+    """[model] engine_version reaches the budget; unset batch limits are vLLM's defaults."""
+    from kvguard.runtime.budget_keeping import budget_for  # noqa: PLC0415 - the daemon's path
+
+    def config(version: str) -> dict[str, object]:
+        return {
+            "engine": {"url": "http://127.0.0.1:8000"},
+            "model": {"config": "llama-3.1-8b", "engine_version": version},
+        }
+
+    old = budget_for(parse_config(config("0.11")), 80 * 2**30)
+    new = budget_for(parse_config(config("0.19")), 80 * 2**30)
+    assert old is not None
+    assert new is not None
+    assert old.budget.engine_rule.startswith("vLLM 0.11")
+    assert (new.budget.max_num_batched_tokens, new.budget.max_num_seqs) == (8192, 1024)
+    # 0.11's sampler profile is heavier than 0.19's: a smaller pool on the same GPU.
+    assert old.budget.kv_pool_bytes_per_gpu < new.budget.kv_pool_bytes_per_gpu
+
+
 def check_config_errors(path: Path) -> tuple[list[str], str]:
     """Run the real ``kvguard check-config`` on ``path``: each error's field, and stderr.
 

@@ -50,7 +50,11 @@ def run(
     )
     what_if = calibrated_inputs(log, what_if_inputs(args, as_run, inputs), predicted.budget)
     calibrated = plan_budget(
-        files.config, what_if, index_total_size=files.index_total_size, source=files.source
+        files.config,
+        what_if,
+        index_total_size=files.index_total_size,
+        source=files.source,
+        given_as=f"measured (vLLM log {log.source})",
     )
     rows = comparison(log, predicted.budget)
     if log.total_gpu_memory_bytes:
@@ -100,13 +104,9 @@ def what_if_inputs(
         changes["max_model_len"] = given.max_model_len
     if args.kv_cache_dtype != "auto":
         changes["kv_cache_dtype"] = given.kv_cache_dtype
-    if "--gpu-memory-utilization" in _argv_flags(args):
+    if args.gpu_memory_utilization is not None:
         changes["gpu_memory_utilization"] = given.gpu_memory_utilization
     return replace(as_run, **changes)  # type: ignore[arg-type]
-
-
-def _argv_flags(args: argparse.Namespace) -> set[str]:
-    return set(getattr(args, "given_flags", ()))
 
 
 def calibrated_inputs(log: VllmStartupLog, inputs: BudgetInputs, predicted: Budget) -> BudgetInputs:

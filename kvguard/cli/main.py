@@ -113,7 +113,6 @@ def _add_budget(commands: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=DEFAULT_GPU_MEMORY_UTILIZATION,
         metavar="F",
         help="fraction of GPU memory the engine may use"
         f" (default {DEFAULT_GPU_MEMORY_UTILIZATION})",
@@ -238,6 +237,11 @@ def _run_budget(args: argparse.Namespace) -> int:
     inputs = budget_inputs_from(
         args,
         gpu_name=gpu if args.gpu is not None else None,
+        gpu_memory_utilization=(
+            DEFAULT_GPU_MEMORY_UTILIZATION
+            if args.gpu_memory_utilization is None
+            else args.gpu_memory_utilization
+        ),
         speculative_layers=speculative,
         max_model_len=_max_model_len(args.max_model_len),
         max_num_batched_tokens=_count(args.max_num_batched_tokens, "--max-num-batched-tokens"),

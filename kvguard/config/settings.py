@@ -234,8 +234,15 @@ class ModelConfig:
     tp: int = setting(1, integer(1, 1024), "tensor-parallel size")
     pp: int = setting(1, integer(1, 1024), "pipeline-parallel size")
     max_model_len: int | None = setting(None, integer(1), "the longest sequence served")
-    max_num_seqs: int = setting(256, integer(1, 1_000_000), "the most sequences in a batch")
-    max_num_batched_tokens: int = setting(8192, integer(1), "the most tokens in a batch")
+    max_num_seqs: int | None = setting(
+        None, integer(1, 1_000_000), "the most sequences in a batch (else vLLM's default)"
+    )
+    max_num_batched_tokens: int | None = setting(
+        None, integer(1), "the most tokens in a batch (else vLLM's default)"
+    )
+    engine_version: str | None = setting(
+        None, text, "the vLLM version whose memory rules the budget follows (else the current)"
+    )
     kv_cache_dtype: str = setting("auto", choice(KV_DTYPES), "the KV cache's element type")
     gpu_memory_utilization: float = setting(
         0.9, number(0.0, 1.0), "the share of GPU memory the engine takes"

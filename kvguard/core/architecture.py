@@ -280,11 +280,55 @@ def parse_fields(cfg: ConfigFields) -> ModelShape:
     )
 
 
+# Layouts public configs describe in ways kvguard does not read yet: refused by name
+# rather than budgeted as if every layer held a KV cache (a hybrid's is far smaller).
+_UNREAD_LAYOUTS = {
+    "hybrid_override_pattern": "Nemotron-H's per-layer pattern (M, *, -, E)",
+    "block_types": "RecurrentGemma's block list",
+    "attn_type_list": "MiniMax's per-layer attention types",
+}
+# Fields that only a model with recurrent or linear-attention layers carries: seen
+# without a layout that places such layers, the config is a hybrid kvguard misreads.
+_STATE_HINTS = (
+    "mamba_d_state",
+    "ssm_state_size",
+    "mamba_d_ssm",
+    "linear_num_value_heads",
+    "linear_attn_config",
+    "conv_L_cache",
+)
+
+
 def _layer_kinds(cfg: ConfigFields, n: int) -> tuple[LayerKind, ...]:
     """Which layers are full attention, sliding-window attention, or constant state.
 
-    The rules, in order of precedence, follow how each family writes its config.
+    A layout this function cannot read, or state-space fields with no layout that
+    places state layers, is an error naming the field: never a silent guess.
     """
+    for key, what in _UNREAD_LAYOUTS.items():
+        if cfg.has(key):
+            raise cfg.error(
+                f"field '{key}' describes {what}, a layout kvguard cannot budget yet"
+                " (it reads layer_types, layers_block_type, attn_layer_period/offset and"
+                " full_attention_interval)",
+                key,
+            )
+    kinds = _read_layer_kinds(cfg, n)
+    if "state" not in kinds:
+        hint = next((name for name in _STATE_HINTS if cfg.has(name)), None)
+        if hint is not None:
+            raise cfg.error(
+                f"field '{hint}' belongs to recurrent (Mamba / linear-attention) layers, but"
+                " no layout field says which layers they are (layer_types,"
+                " layers_block_type, attn_layer_period/offset, full_attention_interval):"
+                " kvguard will not budget every layer as attention",
+                hint,
+            )
+    return kinds
+
+
+def _read_layer_kinds(cfg: ConfigFields, n: int) -> tuple[LayerKind, ...]:
+    """The layout, by the rules each family writes its config with, in precedence order."""
     for key in ("layer_types", "layers_block_type"):
         listed = cfg.get(key)
         if listed is None:

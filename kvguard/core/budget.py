@@ -312,8 +312,13 @@ def compute_budget(
     weights_bytes: int,
     weights_source: str,
     notes: tuple[str, ...] = (),
+    given_as: str = "given",
 ) -> Budget:
-    """Compute the budget of ``shape`` served with ``inputs`` and ``weights_bytes`` of weights."""
+    """Compute the budget of ``shape`` served with ``inputs`` and ``weights_bytes`` of weights.
+
+    ``given_as`` is how :attr:`Budget.sources` names a figure the inputs fixed
+    (``"given"``, or ``"measured (vLLM log)"`` for a calibrated budget).
+    """
     assumptions = [*notes, *_shape_assumptions(shape)]
     rule = vllm_rule(inputs.engine_version)
     kv_dtype = shape.dtype if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype
@@ -352,8 +357,10 @@ def compute_budget(
     if activation is None:
         activation, sources["activation"] = estimate_activation_bytes(shape, inputs.tp, batch, rule)
     else:
-        sources["activation"] = "given"
+        sources["activation"] = given_as
     overhead, sources["overhead"] = _overhead(inputs, rule, kv)
+    if inputs.overhead_bytes is not None:
+        sources["overhead"] = given_as
     non_kv = weights_gpu + activation + overhead
 
     if inputs.kv_cache_memory_bytes is not None:
@@ -585,18 +592,21 @@ def plan_budget(
     index_total_size: int | None = None,
     source: str = "config.json",
     notes: tuple[str, ...] = (),
+    given_as: str = "given",
 ) -> BudgetReport:
     """Budget a model from its parsed config, choosing the best weight figure at hand.
 
     Weights come from ``inputs.weights_bytes`` when given, else the weight index's
     ``total_size``, else an estimate from the config's shapes. ``notes`` join the
-    budget's assumptions (what the caller derived, e.g. a drafter's layers).
+    budget's assumptions (what the caller derived, e.g. a drafter's layers);
+    ``given_as`` names the figures the inputs fix, as in :func:`compute_budget`.
     """
     cfg = ConfigFields(raw_config, source)
     shape = parse_fields(cfg)
     extra: tuple[str, ...] = ()
     if inputs.weights_bytes is not None:
-        weights, origin = inputs.weights_bytes, "given (--weights-bytes)"
+        weights = inputs.weights_bytes
+        origin = "given (--weights-bytes)" if given_as == "given" else given_as
     elif index_total_size is not None:
         weights, origin = index_total_size, "model.safetensors.index.json (exact)"
         stored, served = DTYPE_BYTES[shape.checkpoint_dtype], DTYPE_BYTES[shape.dtype]
@@ -614,9 +624,18 @@ def plan_budget(
             estimate.notes,
         )
     budget = compute_budget(
-        shape, inputs, weights_bytes=weights, weights_source=origin, notes=(*notes, *extra)
+        shape,
+        inputs,
+        weights_bytes=weights,
+        weights_source=origin,
+        notes=(*notes, *extra),
+        given_as=given_as,
     )
     fp8 = compute_budget(
-        shape, replace(inputs, kv_cache_dtype="fp8"), weights_bytes=weights, weights_source=origin
+        shape,
+        replace(inputs, kv_cache_dtype="fp8"),
+        weights_bytes=weights,
+        weights_source=origin,
+        given_as=given_as,
     )
     return BudgetReport(budget, fp8)

@@ -124,3 +124,28 @@ def test_impossible_values_are_refused(change, message):
     with pytest.raises(ModelConfigError) as info:
         parse_model_config({**LLAMA_LIKE, **change})
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("hybrid_override_pattern", "M-M*-M-M"),  # Nemotron-H: Mamba, MLP, attention
+        ("block_types", ["recurrent", "recurrent", "attention", "recurrent"]),  # RecurrentGemma
+        ("attn_type_list", [0, 0, 0, 1]),  # MiniMax: lightning (linear) vs softmax attention
+    ],
+)
+def test_hybrid_layouts_kvguard_cannot_read_are_refused_by_name(field, value):
+    """A layout field kvguard does not read is an error naming it, not 'all attention'."""
+    with pytest.raises(ModelConfigError) as err:
+        parse_model_config({**LLAMA_LIKE, field: value})
+    assert err.value.field == field
+    assert "cannot budget" in str(err.value)
+
+
+@pytest.mark.parametrize("hint", ["mamba_d_state", "ssm_state_size", "linear_num_value_heads"])
+def test_state_fields_without_a_layout_are_refused(hint):
+    """Recurrent-layer fields with no layout placing them: refused, never all-attention."""
+    with pytest.raises(ModelConfigError) as err:
+        parse_model_config({**LLAMA_LIKE, hint: 16})
+    assert err.value.field == hint
+    assert "no layout field" in str(err.value)

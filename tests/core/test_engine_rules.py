@@ -1,0 +1,169 @@
+"""vLLM's memory rules by version (kvguard/core/engine_rules.py), as vLLM's source states them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvguard.config.model_files import BUNDLED_MODELS_DIR
+from kvguard.core.engine_rules import (
+    CURRENT_VLLM,
+    batch_defaults,
+    cuda_graph_bytes,
+    non_torch_bytes,
+    speculative_layers,
+    vllm_rule,
+)
+from kvguard.core.units import GiB
+from kvguard.errors import InvalidInputError
+
+
+@pytest.mark.parametrize(
+    ("text", "version", "engine"),
+    [("0.11", (0, 11), "v1"), ("0.10.1.1", (0, 10), "v1"), ("v0.6.4.post1", (0, 6), "v0")],
+)
+def test_versions_are_read_as_vllm_prints_them(text, version, engine):
+    """Major.minor decide the rule; patch levels and suffixes do not."""
+    rule = vllm_rule(text)
+    assert rule.version == version
+    assert rule.engine == engine
+    assert rule.label.startswith(f"vLLM {version[0]}.{version[1]}")
+
+
+def test_no_version_is_the_current_rule_and_says_so():
+    """The default is the current release, named as the default in the output."""
+    rule = vllm_rule(None)
+    assert rule.version == CURRENT_VLLM
+    assert "--engine-version" in rule.label
+
+
+@pytest.mark.parametrize("text", ["latest", "0", "1.x", "0.4"])
+def test_unreadable_or_unmodelled_versions_are_refused(text):
+    """A version that is not X.Y, or older than 0.5, is an error naming the field."""
+    with pytest.raises(InvalidInputError) as err:
+        vllm_rule(text)
+    assert err.value.field == "engine_version"
+
+
+@pytest.mark.parametrize(
+    ("memory_gib", "name", "expected"),
+    [
+        (79.19, "H100-SXM", (8192, 1024)),
+        (79.25, "A100-80GB", (2048, 256)),  # A100s keep the small defaults (vLLM PR 17885)
+        (44.42, "L40S", (2048, 256)),
+        (178.35, "B200", (16_384, 1024)),
+    ],
+)
+def test_batch_defaults_follow_the_gpu_as_vllm_does(memory_gib, name, expected):
+    """The OpenAI server's defaults by GPU memory and name, as in vLLM 0.32."""
+    limits = batch_defaults(
+        vllm_rule("0.32"),
+        gpu_memory_bytes=round(memory_gib * GiB),
+        gpu_name=name,
+        max_model_len=32_768,
+    )
+    assert (limits.max_num_batched_tokens, limits.max_num_seqs) == expected
+    assert "default" in limits.source
+
+
+def test_batched_tokens_never_exceed_the_sequences_times_their_length():
+    """The default is capped at max_num_seqs x max_model_len, as vLLM caps it."""
+    limits = batch_defaults(
+        vllm_rule("0.32"),
+        gpu_memory_bytes=80 * GiB,
+        gpu_name="H100",
+        max_model_len=4,
+        max_num_seqs=2,
+    )
+    assert limits.max_num_batched_tokens == 8
+
+
+def test_v0_batches_a_whole_context_without_chunked_prefill():
+    """V0: 256 sequences; a step may hold a whole max_model_len (at least 2,048) up to 32K."""
+    rule = vllm_rule("0.6")
+    short = batch_defaults(rule, gpu_memory_bytes=24 * GiB, gpu_name=None, max_model_len=20_000)
+    long = batch_defaults(rule, gpu_memory_bytes=24 * GiB, gpu_name=None, max_model_len=65_536)
+    assert (short.max_num_batched_tokens, short.max_num_seqs) == (20_000, 256)
+    assert long.max_num_batched_tokens == 2048
+
+
+def test_given_limits_win_and_are_called_given():
+    """An operator's flags replace the defaults."""
+    limits = batch_defaults(
+        vllm_rule(None),
+        gpu_memory_bytes=80 * GiB,
+        gpu_name="H100",
+        max_model_len=8192,
+        max_num_batched_tokens=4096,
+        max_num_seqs=64,
+    )
+    assert (limits.max_num_batched_tokens, limits.max_num_seqs, limits.source) == (
+        4096,
+        64,
+        "given",
+    )
+
+
+def test_tensor_parallel_buffers_grow_the_non_torch_memory():
+    """More memory outside torch with TP, and more from 0.12 than before."""
+    old, new = vllm_rule("0.11"), vllm_rule("0.19")
+    assert non_torch_bytes(old, 1) < non_torch_bytes(old, 2)
+    assert non_torch_bytes(new, 1) < non_torch_bytes(new, 2)
+    assert non_torch_bytes(old, 2) < non_torch_bytes(new, 2)
+
+
+def test_cuda_graphs_come_off_the_pool_only_from_021_and_not_eager():
+    """Graphs captured after sizing (before 0.21) or never (eager) take nothing first."""
+    assert cuda_graph_bytes(vllm_rule("0.19"), 32, moe=False, enforce_eager=False) == 0
+    assert cuda_graph_bytes(vllm_rule("0.32"), 32, moe=False, enforce_eager=True) == 0
+    dense = cuda_graph_bytes(vllm_rule("0.32"), 32, moe=False, enforce_eager=False)
+    deeper = cuda_graph_bytes(vllm_rule("0.32"), 80, moe=False, enforce_eager=False)
+    moe = cuda_graph_bytes(vllm_rule("0.32"), 32, moe=True, enforce_eager=False)
+    assert 0 < dense < deeper
+    assert dense < moe
+
+
+def _config(name: str) -> dict[str, object]:
+    loaded: dict[str, object] = json.loads((BUNDLED_MODELS_DIR / name / "config.json").read_text())
+    return loaded
+
+
+@pytest.mark.parametrize(
+    ("spec", "layers"),
+    [
+        ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3}, 1),
+        ({"method": "eagle", "model": "x"}, 1),
+        ({"method": "ngram", "num_speculative_tokens": 4}, 0),
+        ({"method": "suffix"}, 0),
+    ],
+)
+def test_drafters_add_the_layers_they_cache(spec, layers):
+    """EAGLE heads hold one attention layer; n-gram and suffix drafters none."""
+    assert speculative_layers(spec, _config("llama-3.1-8b")).layers == layers
+
+
+def test_mtp_takes_the_layer_count_from_the_target_config():
+    """DeepSeek-V3 states its MTP modules in num_nextn_predict_layers."""
+    config = _config("deepseek-v3")
+    drafter = speculative_layers({"method": "deepseek_mtp"}, config)
+    assert drafter.layers == config["num_nextn_predict_layers"]
+    assert "num_nextn_predict_layers" in drafter.source
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ({"model": "meta-llama/Llama-3.2-1B"}, "own KV shape"),
+        ({"method": "draft_model", "model": "x"}, "own KV shape"),
+        ({"num_speculative_tokens": 3}, "'method'"),
+        ({"method": "telepathy"}, "must be one of"),
+        (["eagle"], "JSON object"),
+    ],
+)
+def test_unbudgetable_speculation_is_refused_with_what_to_do(spec, says):
+    """A separate draft model, a missing or unknown method: an error, not a guess."""
+    with pytest.raises(InvalidInputError) as err:
+        speculative_layers(spec, _config("llama-3.1-8b"))
+    assert err.value.field == "speculative_config"
+    assert says in str(err.value)

@@ -1,0 +1,151 @@
+"""`kvguard budget` against real vLLM start-ups: --from-vllm-log, versions, speculation, sources."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvguard.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
+from tests.helpers import strict_json
+
+LOGS = Path(__file__).parent / "fixtures" / "budget" / "logs"
+# vLLM 0.19 on an H100, Llama-3.1-8B, utilization 0.95, max_model_len 8,192 (llm-d-planner).
+LLAMA_LOG = LOGS / "planner-llama31-8b-h100-tp1-8k.log"
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
+    """Run ``kvguard budget ARGV --json`` in-process and parse what it printed."""
+    assert main(["budget", *argv, "--json"]) == EXIT_OK
+    data: dict[str, object] = strict_json(capsys.readouterr().out)
+    return data
+
+
+def test_a_log_is_compared_figure_by_figure(capsys):
+    """Each figure vLLM printed beside kvguard's prediction from the logged settings."""
+    assert main(["budget", "llama-3.1-8b", "--from-vllm-log", str(LLAMA_LOG)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "vLLM logged" in out
+    assert "vLLM 0.19 (V1)" in out  # the version the log names picks the rule
+    for figure in ("weights (GiB)", "activation peak (GiB)", "KV pool (GiB)", "KV tokens"):
+        assert figure in out
+    assert "What-if from the logged figures" in out
+
+
+def test_the_json_holds_the_log_the_comparison_and_both_budgets(capsys):
+    """Keys log, comparison, predicted and calibrated; the calibrated pool is vLLM's."""
+    data = run_json(capsys, "llama-3.1-8b", "--from-vllm-log", str(LLAMA_LOG))
+    log = data["log"]
+    assert isinstance(log, dict)
+    assert log["version"] == "0.19.0"
+    rows = {row["figure"]: row for row in data["comparison"]}  # type: ignore[union-attr]
+    pool = rows["KV pool (GiB)"]
+    assert pool["logged"] == pytest.approx(58.11, abs=0.005)
+    assert abs(pool["difference_pct"]) < 5
+    calibrated = data["calibrated"]
+    assert isinstance(calibrated, dict)
+    # From vLLM's own weights, activation and non-torch figures, the pool is vLLM's.
+    assert calibrated["kv_pool_bytes_per_gpu"] / 2**30 == pytest.approx(58.11, abs=0.02)
+    assert calibrated["sources"]["activation"].startswith("measured (vLLM log")
+    assert calibrated["weights_source"].startswith("measured (vLLM log")
+
+
+def test_what_ifs_change_only_what_was_asked(capsys):
+    """--max-model-len and --kv-cache-dtype answer from the measured figures."""
+    base = run_json(capsys, "llama-3.1-8b", "--from-vllm-log", str(LLAMA_LOG))["calibrated"]
+    asked = run_json(
+        capsys,
+        "llama-3.1-8b",
+        "--from-vllm-log",
+        str(LLAMA_LOG),
+        "--max-model-len",
+        "32K",
+        "--kv-cache-dtype",
+        "fp8",
+    )["calibrated"]
+    assert isinstance(base, dict)
+    assert isinstance(asked, dict)
+    assert (base["max_model_len"], asked["max_model_len"]) == (8192, 32_768)
+    assert asked["kv_cache_dtype"] == "fp8"
+    assert asked["kv_pool_bytes_per_gpu"] == base["kv_pool_bytes_per_gpu"]
+    assert asked["kv_capacity_tokens"] == pytest.approx(2 * base["kv_capacity_tokens"], rel=1e-3)
+
+
+def test_a_utilization_what_if_moves_the_pool_by_the_memory_it_adds(capsys):
+    """0.95 to 0.90 of 79.19 GiB takes 3.96 GiB from the pool, nothing else."""
+    base = run_json(capsys, "llama-3.1-8b", "--from-vllm-log", str(LLAMA_LOG))["calibrated"]
+    lower = run_json(
+        capsys,
+        "llama-3.1-8b",
+        "--from-vllm-log",
+        str(LLAMA_LOG),
+        "--gpu-memory-utilization",
+        "0.9",
+    )["calibrated"]
+    assert isinstance(base, dict)
+    assert isinstance(lower, dict)
+    taken = (base["kv_pool_bytes_per_gpu"] - lower["kv_pool_bytes_per_gpu"]) / 2**30
+    assert taken == pytest.approx(0.05 * 79.19, abs=0.01)
+
+
+def test_a_file_that_is_not_a_vllm_log_is_one_line_and_exit_2(capsys, tmp_path):
+    """No memory line: one line naming the flag and the file."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello\nworld\n")
+    assert main(["budget", "llama-3.1-8b", "--from-vllm-log", str(notes)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "from_vllm_log" in err[0] or "--from-vllm-log" in err[0]
+    missing = tmp_path / "absent.log"
+    assert main(["budget", "llama-3.1-8b", "--from-vllm-log", str(missing)]) == EXIT_BAD_INPUT
+    assert "cannot be read" in capsys.readouterr().err
+
+
+def test_every_input_names_its_source(capsys):
+    """Text and JSON say where weights, activation, overhead, batch and memory came from."""
+    data = run_json(capsys, "llama-3.1-8b", "--gpu", "H100", "--engine-version", "0.19")
+    sources = data["sources"]
+    assert isinstance(sources, dict)
+    assert sources["weights"] == "model.safetensors.index.json (exact)"
+    assert sources["activation"].startswith("estimated: V1 profile, sampler over 1,024")
+    assert sources["batch"].startswith("vLLM default for GPUs of 70 GiB")
+    assert "H100-SXM preset" in sources["gpu_memory"]
+    assert (data["max_num_batched_tokens"], data["max_num_seqs"]) == (8192, 1024)
+    assert main(["budget", "llama-3.1-8b", "--gpu", "L4"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "Batch            2,048 tokens, 256 sequences" in out
+    assert "Engine           vLLM 0.32 (V1), the default" in out
+
+
+def test_a_drafter_adds_its_layers_to_the_pool(capsys):
+    """An EAGLE-3 head is one more layer of Llama's KV shape: 33/32 of the bytes per token."""
+    plain = run_json(capsys, "llama-3.1-8b", "--gpu", "H100")
+    eagle = run_json(
+        capsys,
+        "llama-3.1-8b",
+        "--gpu",
+        "H100",
+        "--speculative-config",
+        json.dumps({"method": "eagle3", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}),
+    )
+    assert eagle["kv_bytes_per_token"] == plain["kv_bytes_per_token"] * 33 // 32
+    assert any("eagle3" in a for a in eagle["assumptions"])  # type: ignore[union-attr]
+    layers = run_json(capsys, "llama-3.1-8b", "--gpu", "H100", "--speculative-layers", "1")
+    assert layers["kv_bytes_per_token"] == eagle["kv_bytes_per_token"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--engine-version", "latest"], "--engine-version"),
+        (["--speculative-config", "{eagle"], "--speculative-config: must be JSON"),
+        (["--speculative-config", '{"method": "draft_model", "model": "x"}'], "own KV shape"),
+    ],
+)
+def test_bad_engine_and_speculation_flags_are_one_clear_line(capsys, argv, says):
+    """Bad input exits 2 with one line that names the flag."""
+    assert main(["budget", "llama-3.1-8b", *argv]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert says in err
+    assert len(err.strip().splitlines()) == 1
