@@ -50,6 +50,17 @@ class _CacheConfig:
     num_gpu_blocks: int | None
     block_size: int | None
     cache_dtype: str | None
+    # What vLLM itself says the pool holds ("GPU KV cache size", recent versions).
+    # For hybrid and sliding-window models it is not blocks x block size: vLLM
+    # counts whole requests there (max concurrency x max_model_len).
+    size_tokens: int | None = None
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether vLLM's own token figure differs from blocks x block size."""
+        if self.size_tokens is None or self.num_gpu_blocks is None or self.block_size is None:
+            return False
+        return self.size_tokens != self.num_gpu_blocks * self.block_size
 
 
 class VllmAdapter:
@@ -153,6 +164,7 @@ def _cache_configs(samples: Samples) -> dict[str, _CacheConfig]:
             num_gpu_blocks=count_label(CACHE_CONFIG, labels, "num_gpu_blocks"),
             block_size=count_label(CACHE_CONFIG, labels, "block_size"),
             cache_dtype=labels.get("cache_dtype") or None,
+            size_tokens=count_label(CACHE_CONFIG, labels, "kv_cache_size_tokens"),
         )
     return configs
 
@@ -168,6 +180,9 @@ def _used_tokens(usage: dict[str, float], configs: dict[str, _CacheConfig]) -> i
         pairs = [(value, configs[engine]) for engine, value in usage.items()]
     used = 0
     for value, config in pairs:
+        if config.hybrid and config.size_tokens is not None:
+            used += round(value * config.size_tokens)
+            continue
         if config.num_gpu_blocks is None or config.block_size is None:
             return None
         used += round(value * max(config.num_gpu_blocks - 1, 0) * config.block_size)
@@ -183,7 +198,9 @@ def _capacity(configs: dict[str, _CacheConfig]) -> tuple[int | None, int | None]
         if config.num_gpu_blocks is None:
             return None, None
         blocks += config.num_gpu_blocks
-        if config.block_size is None:
+        if config.size_tokens is not None:
+            tokens += config.size_tokens  # vLLM's own figure wins (hybrid models)
+        elif config.block_size is None:
             tokens_known = False
         else:
             tokens += config.num_gpu_blocks * config.block_size
