@@ -159,6 +159,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             out.append(f"| [{r['id']}]({r['source']}) | | | | | skipped: {r['skipped']} | | | |")
             continue
         logged = r["logged_kv_gib"]
+        if logged is None and not r["logged_tokens"]:
+            out.append(f"| [{r['id']}]({r['source']}) | | | | | no KV figure logged | | | |")
+            continue
         shown = f"{logged:.2f} GiB" if logged is not None else f"{r['logged_tokens']:,} tokens"
         predicted = (
             f"{r['predicted_kv_gib']:.2f} GiB"
