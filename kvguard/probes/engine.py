@@ -27,7 +27,7 @@ from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats
 from kvguard.errors import InvalidInputError, ProbeError
 from kvguard.http_client import client_session
 from kvguard.probes.engines import ADAPTERS, EngineAdapter, EngineScrape
-from kvguard.probes.engines.base import KIND_PREFIXES, PROBE_NAME, detect_kind
+from kvguard.probes.engines.base import KIND_PREFIXES, PROBE_NAME, detect_kind, health_path_for
 
 T = TypeVar("T")
 
@@ -109,6 +109,12 @@ class EngineProbe:
         # The scrape in progress, shared by concurrent callers (the tick and a drain
         # watching the engine): one scrape and one parse, not two racing each other.
         self._shared: _SharedScrape | None = None
+        # The last reading, handed to the adapter with the next scrape (trtllm-serve's
+        # empty answer keeps the capacity it reported before).
+        self._last: EngineStats | None = None
+        # The health path the last metrics body called for, when the adapter's engine
+        # comes in servers with different ones (TensorRT-LLM: Triton or trtllm-serve).
+        self._health_path: str | None = None
 
     @property
     def kind(self) -> EngineKind | None:
@@ -172,17 +178,19 @@ class EngineProbe:
                 )
             self._kind = kind
             adapter = ADAPTERS[kind]
+            asked = health_path_for(adapter, text)
             extras, healthy = await asyncio.gather(
-                self._extras(session, adapter), self._healthy(session, adapter)
+                self._extras(session, adapter), self._healthy(session, asked)
             )
         else:
             adapter = ADAPTERS[self._kind]
+            asked = self._health_path or adapter.health_path
             # return_exceptions: when the metrics fail, the other requests still
             # finish here instead of running on unobserved after we raise.
             metrics, extras, healthy = await asyncio.gather(
                 self._metrics(session),
                 self._extras(session, adapter),
-                self._healthy(session, adapter),
+                self._healthy(session, asked),
                 return_exceptions=True,
             )
             if isinstance(metrics, BaseException):
@@ -192,13 +200,22 @@ class EngineProbe:
             if isinstance(healthy, BaseException):
                 raise healthy
             text = metrics
+        wanted = health_path_for(adapter, text)
+        if wanted != asked:
+            # The body is another server's than the one last asked (the first scrape of
+            # a kind set in the config, or the server was replaced): ask its own path.
+            healthy = await self._healthy(session, wanted)
+        self._health_path = wanted
         scrape = EngineScrape(
             metrics_text=text,
             slots=_json_list(extras.get("/slots")),
             props=_json_object(extras.get("/props")),
             healthy=healthy,
+            previous=self._last,
         )
-        return await self._off_loop(len(text), lambda: adapter.parse(scrape))
+        stats = await self._off_loop(len(text), lambda: adapter.parse(scrape))
+        self._last = stats
+        return stats
 
     async def close(self) -> None:
         """Close the HTTP session if this probe created it."""
@@ -298,9 +315,9 @@ class EngineProbe:
                     continue
         return found
 
-    async def _healthy(self, session: aiohttp.ClientSession, adapter: EngineAdapter) -> bool:
+    async def _healthy(self, session: aiohttp.ClientSession, path: str) -> bool:
         try:
-            status, _ = await self._get(session, adapter.health_path, "*/*")
+            status, _ = await self._get(session, path, "*/*")
         except _UnavailableError:
             return False
         # _get reads bodies of 200 only; any 2xx is healthy.

@@ -17,6 +17,7 @@ only their lines (:func:`keep_lines`); the parser still reads every line it gets
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Collection, Iterable
@@ -49,13 +50,16 @@ class EngineScrape:
 
     ``metrics_text`` is the body of its metrics endpoint; ``slots`` and ``props``
     are llama.cpp's ``/slots`` and ``/props`` JSON when fetched and readable;
-    ``healthy`` is false when the health endpoint did not answer 2xx.
+    ``healthy`` is false when the health endpoint did not answer 2xx. ``previous``
+    is this probe's last reading, for an engine whose answer may carry no figures
+    (trtllm-serve's empty list keeps the capacity it reported before).
     """
 
     metrics_text: str
     slots: list[dict[str, Any]] | None = None
     props: dict[str, Any] | None = None
     healthy: bool = True
+    previous: EngineStats | None = None
 
 
 class EngineAdapter(Protocol):
@@ -64,7 +68,9 @@ class EngineAdapter(Protocol):
     ``actions`` are the admin actions the engine offers (for the actuators);
     ``extra_paths`` are JSON endpoints to fetch beside the metrics (their bodies
     arrive as :attr:`EngineScrape.slots` / :attr:`EngineScrape.props`);
-    ``health_path`` is the liveness endpoint. ``reads`` names every sample
+    ``health_path`` is the liveness endpoint; an adapter whose engine comes in
+    servers with different ones also offers ``health_path_for(metrics_text)``
+    (:func:`health_path_for`). ``reads`` names every sample
     :meth:`parse` looks up (as :class:`Samples` names them: counters with
     ``_total``, histograms as ``_sum``/``_count``); lines of other series are
     dropped before parsing, and ``None`` parses everything. :meth:`parse` does no I/O.
@@ -79,6 +85,16 @@ class EngineAdapter(Protocol):
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one scrape; raises :class:`ProbeError` only for malformed text."""
         ...
+
+
+def health_path_for(adapter: EngineAdapter, metrics_text: str) -> str:
+    """The liveness path of the server that answered ``metrics_text``.
+
+    TensorRT-LLM comes behind Triton (``/v2/health/ready``) or trtllm-serve
+    (``/health``), and only the metrics body tells which; other adapters have one path.
+    """
+    choose = getattr(adapter, "health_path_for", None)
+    return str(choose(metrics_text)) if callable(choose) else adapter.health_path
 
 
 # The largest count a series may report: past 2**53 a float no longer holds every
@@ -320,9 +336,21 @@ def detect_kind_in(samples: Samples) -> EngineKind | None:
 def detect_kind(metrics_text: str) -> EngineKind | None:
     """The engine that produced ``metrics_text``, from its metric names; None if unknown.
 
-    Raises :class:`ProbeError` when the text is not valid exposition.
+    A JSON list is trtllm-serve's iteration stats (no engine kvguard reads answers
+    its metrics endpoint with one, and exposition text never starts with ``[``).
+    Raises :class:`ProbeError` when the text is neither that nor valid exposition.
     """
+    if metrics_text.lstrip().startswith("["):
+        return "trtllm" if _is_json_list(metrics_text) else None
     return detect_kind_in(parse_exposition(metrics_text))
+
+
+def _is_json_list(text: str) -> bool:
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(body, list) and all(isinstance(item, dict) for item in body)
 
 
 def as_int(value: float | str | None) -> int | None:
