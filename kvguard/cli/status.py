@@ -320,7 +320,9 @@ def render_status(doc: dict[str, Any]) -> str:
     if usage is not None:
         bar = text_bar(usage, 30)
         lines.append(
-            f"KV cache {usage:6.1%} {bar:<30}  used {fmt_value(engine.get('kv_used_tokens'))}"
+            f"KV cache {usage:6.1%} {bar:<30}  "
+            f"{'reserved' if engine.get('kv_used_is_reserved') else 'used'}"
+            f" {fmt_value(engine.get('kv_used_tokens'))}"
             f" of {fmt_value(engine.get('kv_capacity_tokens'))} tokens"
         )
     lines.append(

@@ -92,7 +92,9 @@ class EngineStats:
 
     Counters (``*_total``) are the engine's raw cumulative values; rates are the
     forecast's business. ``kv_used_tokens`` is derived where the engine gives a
-    usage ratio and a capacity, or counted directly (llama.cpp ``/slots``).
+    usage ratio and a capacity, or counted directly (llama.cpp ``/slots``);
+    ``kv_used_is_reserved`` says it is space reserved rather than tokens written
+    (TGI reports what the running batch may grow to: an upper bound of use).
 
     ``engines`` holds one :class:`EngineShare` per data-parallel engine, by index,
     when the engine reports two or more; it is empty for a single engine (and for
@@ -116,6 +118,7 @@ class EngineStats:
     request_prompt_tokens: HistogramSummary | None = None
     request_generation_tokens: HistogramSummary | None = None
     engines: tuple[EngineShare, ...] = ()
+    kv_used_is_reserved: bool = False
 
 
 @dataclass(frozen=True)

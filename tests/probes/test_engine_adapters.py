@@ -178,7 +178,7 @@ def test_llamacpp_tolerates_odd_slot_entries():
 
 
 def test_tgi_written_fixture_maps_budget_queue_and_histograms():
-    """TGI: token budget as capacity, batch tokens as use, no preemption counter."""
+    """TGI: token budget as capacity, the batch's reservation as use (said so), no preemptions."""
     stats = ADAPTERS["tgi"].parse(EngineScrape(fixture("tgi_written.txt")))
     assert stats == EngineStats(
         kind="tgi",
@@ -192,6 +192,7 @@ def test_tgi_written_fixture_maps_budget_queue_and_histograms():
         requests_finished_total=146.0 + 3.0,  # success + failure; tgi_request_count is arrivals
         request_prompt_tokens=HistogramSummary(sum=30870.0, count=149.0),
         request_generation_tokens=HistogramSummary(sum=11098.0, count=146.0),
+        kv_used_is_reserved=True,
     )
 
 

@@ -61,6 +61,8 @@ class TgiAdapter:
             requests_finished_total=_finished(samples),
             request_prompt_tokens=samples.histogram("tgi_request_input_length"),
             request_generation_tokens=samples.histogram("tgi_request_generated_tokens"),
+            # The batch's reservation (num_blocks x BLOCK_SIZE), not tokens written.
+            kv_used_is_reserved=used is not None,
         )
 
 
