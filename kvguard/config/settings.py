@@ -224,6 +224,11 @@ class EngineConfig:
     )
     admin_timeout_s: float = setting(5.0, number(0.0, 600.0), "an admin call's time limit")
     admin_attempts: int = setting(3, integer(1, 20), "tries of an admin call")
+    kv_unified: bool | None = setting(
+        None,
+        boolean,
+        "llama.cpp: all slots share one cache (--kv-unified, and -np auto); unset: split",
+    )
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from kvguard.errors import InvalidInputError, ProbeError
 from kvguard.http_client import client_session
 from kvguard.probes.engines import ADAPTERS, EngineAdapter, EngineScrape
 from kvguard.probes.engines.base import KIND_PREFIXES, PROBE_NAME, detect_kind, health_path_for
+from kvguard.probes.engines.llamacpp import LlamacppAdapter
 
 T = TypeVar("T")
 
@@ -83,6 +84,7 @@ class EngineProbe:
         timeout_s: float = 2.0,
         session: aiohttp.ClientSession | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        kv_unified: bool | None = None,
     ) -> None:
         base = URL(url)
         if base.scheme not in ("http", "https") or not base.host:
@@ -101,6 +103,10 @@ class EngineProbe:
         self._session = session
         self._owns_session = session is None
         self._max_body_bytes = max_body_bytes
+        # llama.cpp's cache layout as the operator declared it ([engine] kv_unified).
+        self._adapters: dict[EngineKind, EngineAdapter] = dict(ADAPTERS)
+        if kv_unified is not None:
+            self._adapters["llamacpp"] = LlamacppAdapter(kv_unified=kv_unified)
         # Set while a large exposition is parsed in a thread. A parse that outlives the
         # daemon's timeout keeps running (threads cannot be cancelled); scraping and
         # queueing another behind it every tick would pile up threads and copies of
@@ -177,13 +183,13 @@ class EngineProbe:
                     f" (looked for names starting {prefixes}); set the engine kind",
                 )
             self._kind = kind
-            adapter = ADAPTERS[kind]
+            adapter = self._adapters[kind]
             asked = health_path_for(adapter, text)
             extras, healthy = await asyncio.gather(
                 self._extras(session, adapter), self._healthy(session, asked)
             )
         else:
-            adapter = ADAPTERS[self._kind]
+            adapter = self._adapters[self._kind]
             asked = self._health_path or adapter.health_path
             # return_exceptions: when the metrics fail, the other requests still
             # finish here instead of running on unobserved after we raise.

@@ -76,6 +76,7 @@ class Probes:
                 metrics_path=engine.metrics_path,
                 token=token,
                 timeout_s=config.poll.timeout_s,
+                kv_unified=engine.kv_unified,
             ),
             nvml=NvmlProbe(
                 GpuSelector(config.gpu.indices, config.gpu.uuids, pids),

@@ -25,7 +25,14 @@ READS = frozenset(
 
 
 class LlamacppAdapter:
-    """llama-server's metrics (``--metrics``), ``/slots`` and ``/props``."""
+    """llama-server's metrics (``--metrics``), ``/slots`` and ``/props``.
+
+    ``kv_unified`` is how the server holds its context (``[engine] kv_unified``):
+    True when all slots share one cache (``--kv-unified``, and the default ``-np``
+    auto), so every slot reports the whole context as its ``n_ctx`` and the cache is
+    one of them; False or unknown (None) when ``-np N`` splits it, each slot owning
+    ``n_ctx`` of it, so they add up. Neither ``/slots`` nor ``/props`` says which.
+    """
 
     kind: EngineKind = "llamacpp"
     actions: frozenset[EngineAction] = frozenset({"evict"})
@@ -33,12 +40,16 @@ class LlamacppAdapter:
     health_path: str = "/health"
     reads: frozenset[str] | None = READS
 
+    def __init__(self, kv_unified: bool | None = None) -> None:
+        self.kv_unified = kv_unified
+
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one llama-server scrape."""
         samples = parse_exposition(scrape.metrics_text, self.reads)
-        capacity, used = _from_slots(scrape.slots)
+        unified = self.kv_unified is True
+        capacity, used = _from_slots(scrape.slots, unified=unified)
         if capacity is None:
-            capacity = _capacity_from_props(scrape.props)
+            capacity = _capacity_from_props(scrape.props, unified=unified)
         return EngineStats(
             kind="llamacpp",
             up=scrape.healthy,
@@ -52,8 +63,14 @@ class LlamacppAdapter:
         )
 
 
-def _from_slots(slots: list[dict[str, Any]] | None) -> tuple[int | None, int | None]:
-    """Context capacity and tokens in use, summed over slots; (None, None) if unreadable."""
+def _from_slots(
+    slots: list[dict[str, Any]] | None, *, unified: bool
+) -> tuple[int | None, int | None]:
+    """Context capacity and tokens in use over slots; (None, None) if unreadable.
+
+    Split: the slots' ``n_ctx`` add up to the context (``-c``). Unified: each slot
+    reports the whole shared cache, which is the largest of them.
+    """
     if not slots:
         return None, None
     capacity = used = 0
@@ -61,8 +78,7 @@ def _from_slots(slots: list[dict[str, Any]] | None) -> tuple[int | None, int | N
         n_ctx = _count(slot.get("n_ctx"))
         if n_ctx is None:
             return None, None
-        # Slots split the context (-c) between them, so their n_ctx add up to it.
-        capacity += n_ctx
+        capacity = max(capacity, n_ctx) if unified else capacity + n_ctx
         if slot.get("is_processing") is True:
             used += _held(slot)
     return capacity, used
@@ -86,12 +102,14 @@ def _decoded(slot: dict[str, Any]) -> int:
     return 0
 
 
-def _capacity_from_props(props: dict[str, Any] | None) -> int | None:
+def _capacity_from_props(props: dict[str, Any] | None, *, unified: bool) -> int | None:
     if not props:
         return None
     slots = _count(props.get("total_slots"))
     settings = props.get("default_generation_settings")
     n_ctx = _count(settings.get("n_ctx")) if isinstance(settings, dict) else None
+    if unified:
+        return n_ctx
     return slots * n_ctx if slots is not None and n_ctx is not None else None
 
 
