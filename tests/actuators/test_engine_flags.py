@@ -92,3 +92,21 @@ def test_tensorrt_llm_cannot_be_switched():
 def test_which_dtypes_are_8_bit(dtype, eight_bit):
     """What counts as 'the engine came back with fp8'."""
     assert is_8bit(dtype) is eight_bit
+
+
+@pytest.mark.parametrize(
+    "fa", [["-fa", "off"], ["--flash-attn", "off"], ["-fa=disabled"], ["-fa", "on", "-fa", "0"]]
+)
+def test_llamacpp_without_flash_attention_quantizes_only_the_k_cache(fa):
+    """A quantized V cache needs flash attention (llama.cpp refuses to start): K only."""
+    argv = ["llama-server", "-m", "m.gguf", *fa]
+    assert with_fp8(argv, "llamacpp") == [*argv, "--cache-type-k", "q8_0"]
+
+
+@pytest.mark.parametrize(
+    "fa", [[], ["-fa", "on"], ["--flash-attn", "auto"], ["-fa", "off", "-fa", "on"]]
+)
+def test_llamacpp_with_flash_attention_on_or_auto_quantizes_both(fa):
+    """On, auto (llama.cpp then turns it on for a quantized V cache) or unset: K and V."""
+    argv = ["llama-server", "-m", "m.gguf", *fa]
+    assert with_fp8(argv, "llamacpp")[-4:] == ["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"]
