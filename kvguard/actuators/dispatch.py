@@ -178,7 +178,8 @@ class Actuators:
         if not reconfigurer.drain.can_stop_admitting():
             return (
                 "no way to stop admitting for the drain: enable [proxy], or use an engine"
-                " with a pause endpoint (vLLM in dev mode, SGLang)"
+                " whose pause lets running requests finish (vLLM in dev mode; SGLang's"
+                " pause freezes them in place, so a drain through it could not end)"
             )
         return None
 

@@ -66,8 +66,14 @@ class EnginePauseDrain:
         self.cancelled_by_restart = 0
 
     def can_stop_admitting(self) -> bool:
-        """Whether the engine has a pause endpoint (as far as kvguard knows)."""
-        return self.admin.supports("pause")
+        """Whether the engine has a pause endpoint that lets running requests finish.
+
+        vLLM's ``mode=wait`` does. SGLang's pause has no such mode: ``in_place`` (the
+        least destructive) freezes running requests where they are, so a drain
+        through it would only wait out its timeout and then kill them; without the
+        proxy, its switch is refused instead.
+        """
+        return self.admin.supports("pause") and self.admin.kind != "sglang"
 
     async def stop_admitting(self, retry_after_s: int) -> str | None:
         """Pause the engine: running requests finish, new ones are refused or wait."""
