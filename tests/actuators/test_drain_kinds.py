@@ -14,6 +14,6 @@ async def _no_stats() -> None:
 
 @pytest.mark.parametrize(("kind", "drains"), [("vllm", True), ("sglang", False), ("tgi", False)])
 def test_only_a_pause_that_lets_requests_finish_can_drain(kind, drains):
-    """vLLM's mode=wait lets running requests finish; SGLang's in_place freezes them."""
+    """Mode=wait (vLLM) lets running requests finish; in_place (SGLang) freezes them."""
     admin = EngineAdmin("http://127.0.0.1:9", kind)
     assert EnginePauseDrain(admin, _no_stats).can_stop_admitting() is drains
