@@ -40,6 +40,7 @@ import aiohttp
 import psutil
 
 import kvguard
+from bench.efficacy import commit
 from bench.overhead_daemon import measure_daemon
 from bench.overhead_procs import nginx_version, start_stub
 from bench.overhead_proxy import measure_proxy
@@ -120,6 +121,9 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(
             _target("scrape of a 150 KB exposition, p99 per tick (ms)", tick["p99_ms"], 10.0)
         )
+    parse = result.get("scrape", {}).get("parse_only")
+    if parse:
+        out.append(_target("parse of a 150 KB exposition, p99 (ms)", parse["p99_ms"], 1.0))
     reaction = result.get("reaction", {})
     if "immediate" in reaction:
         out.append(
@@ -215,6 +219,7 @@ def run(*, quick: bool, out: Path) -> dict[str, Any]:
     began = time.monotonic()
     result: dict[str, Any] = {
         "benchmark": "overhead",
+        "meta": {**commit(), "command": f"python -m bench.overhead{' --quick' if quick else ''}"},
         "quick": quick,
         "machine": machine(busy, load),
         "plan": plan.__dict__,

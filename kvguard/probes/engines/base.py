@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats, HistogramSummary
 from kvguard.errors import ProbeError
+from kvguard.probes.engines.wanted import parse_wanted
 
 PROBE_NAME = "engine"
 
@@ -305,11 +306,18 @@ def keep_lines(text: str, reads: Collection[str]) -> str:
 def parse_exposition(text: str, reads: Collection[str] | None = None) -> Samples:
     """Parse Prometheus text exposition into :class:`Samples`.
 
-    With ``reads``, only those samples' lines are parsed (:func:`keep_lines`); the
-    others are not in the result. Raises :class:`ProbeError` (probe ``engine``) when
+    With ``reads``, only those samples' lines are parsed: by :func:`parse_wanted`
+    when the page is plainly exposition (families nobody reads are skipped whole),
+    else by ``prometheus_client`` after :func:`keep_lines`; the others are not in the
+    result. Raises :class:`ProbeError` (probe ``engine``) when
     the text is not valid exposition, e.g. an HTML error page or a truncated body.
     """
     if reads is not None:
+        # The common case (a well-formed page, a few families read) without
+        # prometheus_client's per-character parse; anything else takes the strict path.
+        fast = parse_wanted(text, reads)
+        if fast is not None:
+            return Samples(fast)
         text = keep_lines(text, reads)
     by_name: dict[str, Series] = {}
     try:
