@@ -329,7 +329,11 @@ def machine_section(efficacy: dict[str, Any] | None, over: dict[str, Any] | None
         lines.append(
             f"- overhead: {m.get('date', '?')}, {m.get('cpu', '?')}, {m.get('cores', '?')}"
             f" cores, Python {m.get('python', '?')}; a separate run"
-            + (f" at commit `{over['commit']}`" if over.get("commit") else " (commit not recorded)")
+            + (
+                f" at commit {commit}"
+                if (commit := _overhead_commit(over))
+                else " (commit not recorded)"
+            )
         )
     lines.append("")
     return "\n".join(lines)
@@ -364,3 +368,13 @@ def write(results: Path, docs: Path, notes: str = "") -> Path:
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text("\n".join(parts).rstrip() + "\n")
     return docs
+
+
+def _overhead_commit(over: dict[str, Any]) -> str | None:
+    """The commit an overhead run recorded (``meta.commit``; older files had none)."""
+    meta = over.get("meta")
+    commit = meta.get("commit") if isinstance(meta, dict) else over.get("commit")
+    if not commit:
+        return None
+    dirty = isinstance(meta, dict) and meta.get("dirty")
+    return f"`{commit}`" + (" with uncommitted changes" if dirty else "")
