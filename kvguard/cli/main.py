@@ -127,6 +127,7 @@ def _add_budget(commands: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument(
         "--max-num-seqs",
         type=int,
+        metavar="N",
         help="sequences per step, sizes the sampler's profile (default: vLLM's for the GPU:"
         " 1024 from 70 GiB, not A100s, else 256)",
     )
@@ -185,7 +186,8 @@ def _add_budget(commands: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument(
         "--overhead-bytes",
         metavar="SIZE",
-        help="framework overhead per GPU (overrides the default)",
+        help="memory outside weights, activations and the pool per GPU: non-torch memory"
+        " and CUDA graphs (overrides the estimate)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument(
