@@ -299,11 +299,20 @@ _STATE_HINTS = (
 )
 
 
+# Fields that state which layers hold a state: with one of them, its word is final.
+_LAYOUT_FIELDS = (
+    "layer_types",
+    "layers_block_type",
+    "attn_layer_period",
+    "full_attention_interval",
+)
+
+
 def _layer_kinds(cfg: ConfigFields, n: int) -> tuple[LayerKind, ...]:
     """Which layers are full attention, sliding-window attention, or constant state.
 
-    A layout this function cannot read, or state-space fields with no layout that
-    places state layers, is an error naming the field: never a silent guess.
+    A layout this function cannot read, or state-space fields with no layout field at
+    all, is an error naming the field: never a silent guess.
     """
     for key, what in _UNREAD_LAYOUTS.items():
         if cfg.has(key):
@@ -314,7 +323,7 @@ def _layer_kinds(cfg: ConfigFields, n: int) -> tuple[LayerKind, ...]:
                 key,
             )
     kinds = _read_layer_kinds(cfg, n)
-    if "state" not in kinds:
+    if "state" not in kinds and not any(cfg.has(field) for field in _LAYOUT_FIELDS):
         hint = next((name for name in _STATE_HINTS if cfg.has(name)), None)
         if hint is not None:
             raise cfg.error(

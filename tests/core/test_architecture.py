@@ -149,3 +149,12 @@ def test_state_fields_without_a_layout_are_refused(hint):
         parse_model_config({**LLAMA_LIKE, hint: 16})
     assert err.value.field == hint
     assert "no layout field" in str(err.value)
+
+
+def test_a_layout_field_that_lists_no_state_layer_is_taken_at_its_word():
+    """layer_types naming every layer attention: the state fields beside it are unused."""
+    shape = parse_model_config(
+        {**LLAMA_LIKE, "layer_types": ["full_attention"] * 4, "linear_num_value_heads": 8}
+    )
+    assert shape.state_layers == 0
+    assert shape.full_layers == 4
