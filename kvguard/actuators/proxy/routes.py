@@ -592,10 +592,27 @@ def find_route(routes: Iterable[Route], method: str, normal: str) -> Route | Non
     several match (the kind is unknown and two engines serve the path), admin wins,
     then generation: a route one engine admits is never forwarded unaccounted.
     """
+    # The tables are module constants that live as long as the process: their
+    # answers are remembered per (table, method, path), bounded.
+    constant = (
+        routes is ALL_ROUTES
+        or routes is ADMIN_ROUTES
+        or any(routes is table for table in ENGINE_ROUTES.values())
+    )
+    key = (id(routes), method, normal)
+    if constant and key in _FOUND:
+        return _FOUND[key]
     found = [r for r in routes if r.allows(method) and r.matches(normal)]
-    if not found:
-        return None
-    return min(found, key=lambda r: _PRECEDENCE.index(r.role))
+    route = min(found, key=lambda r: _PRECEDENCE.index(r.role)) if found else None
+    if constant and len(_FOUND) < _FOUND_MAX:
+        _FOUND[key] = route
+    return route
+
+
+# Remembered answers of find_route on the constant tables (paths clients send are
+# few; past the bound, answers are computed each time rather than evicting).
+_FOUND: dict[tuple[int, str, str], Route | None] = {}
+_FOUND_MAX = 4096
 
 
 def path_served(routes: Iterable[Route], normal: str) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ import json
 import math
 import re
 from collections.abc import Callable
+from functools import lru_cache
 from typing import TypeVar
 
 from aiohttp import web
@@ -138,7 +139,10 @@ def check_path(
     everything else is not forwarded (404).
     """
     normal = normal_path(path)
-    if any(_blocks(entry, method, normal) for entry in settings.blocked_paths):
+    if any(
+        (not only or only == method) and _under_normal(normal, prefix)
+        for only, prefix in _parsed_blocks(settings.blocked_paths)
+    ):
         return (
             403,
             "path_blocked",
@@ -197,9 +201,26 @@ def _blocks(entry: str, method: str, path: str) -> bool:
     return (not only or only == method) and _under(path, prefix)
 
 
+@lru_cache(maxsize=16)
+def _parsed_blocks(entries: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``blocked_paths`` entries ("/slots", "POST /props") as (method or "", prefix).
+
+    Parsed once per settings, not once per request: the default list is long.
+    """
+    parsed = []
+    for entry in entries:
+        only, _, prefix = entry.rpartition(" ")
+        parsed.append((only, prefix.lower().rstrip("/")))
+    return tuple(parsed)
+
+
 def _under(path: str, prefix: str) -> bool:
     """Whether normalised ``path`` is ``prefix`` or below it, in whole segments."""
-    prefix = prefix.lower().rstrip("/")
+    return _under_normal(path, prefix.lower().rstrip("/"))
+
+
+def _under_normal(path: str, prefix: str) -> bool:
+    """:func:`_under` for a prefix already lower-cased without its trailing slash."""
     return not prefix or path == prefix or path.startswith(prefix + "/")
 
 
@@ -210,17 +231,20 @@ def _path_problem(raw: str, decoded: str) -> str | None:
         return "the path holds an encoded slash or a backslash"
     if any(part in (".", "..") for part in decoded.split("/")):
         return 'the path holds a "." or ".." segment'
-    if any(ord(ch) < 32 or ord(ch) == 127 or 0xD800 <= ord(ch) <= 0xDFFF for ch in decoded):
+    if _UNCLEAN.search(decoded):
         return "the path holds a control character or bytes that are not UTF-8"
     return None
 
 
+# Control characters (DEL too) and lone surrogates (bytes that were not UTF-8),
+# found in one C-level scan rather than a Python test per character.
+_UNCLEAN = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+_UNCLEAN_HEADER = re.compile("[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]")  # tab allowed
+
+
 def _clean_header(name: str, value: str) -> bool:
     """No CR, LF, NUL or other control character (tab aside), no undecodable bytes."""
-    return all(
-        (ord(ch) >= 32 or ch == "\t") and ord(ch) != 127 and not 0xD800 <= ord(ch) <= 0xDFFF
-        for ch in name + value
-    )
+    return _UNCLEAN_HEADER.search(name) is None and _UNCLEAN_HEADER.search(value) is None
 
 
 def _shown(text: str, limit: int = 80) -> str:
