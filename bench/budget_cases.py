@@ -21,7 +21,7 @@ from typing import Any
 
 from bench.efficacy import commit
 from kvguard.config.model_files import BUNDLED_MODELS_DIR, load_model_files
-from kvguard.core.budget import BudgetInputs, plan_budget
+from kvguard.core.budget import Budget, BudgetInputs, plan_budget
 from kvguard.core.gpus import GpuPreset, gpu_preset
 from kvguard.core.units import GiB
 from kvguard.errors import KvguardError
@@ -75,30 +75,12 @@ def evaluate(case: dict[str, Any]) -> dict[str, Any]:
             version, row["version_note"] = v, why
     logged = case["logged"]
     try:
-        preset = _preset(case["gpu"])
-        total = round(case["gpu_total_gib"] * GiB) if case.get("gpu_total_gib") else None
-        inputs = BudgetInputs(
-            tp=flags.get("tp") or resolved.get("tp") or 1,
-            pp=flags.get("pp") or resolved.get("pp") or 1,
-            max_model_len=flags.get("max_model_len") or logged.get("max_concurrency_tokens"),
-            gpu_memory_utilization=flags.get("gpu_memory_utilization")
-            or resolved.get("gpu_memory_utilization")
-            or 0.9,
-            block_size=flags.get("block_size") or 16,
-            kv_cache_dtype=flags.get("kv_cache_dtype") or "auto",
-            max_num_batched_tokens=flags.get("max_num_batched_tokens"),
-            max_num_seqs=flags.get("max_num_seqs"),
-            enforce_eager=bool(flags.get("enforce_eager")),
-            engine_version=version,
-            gpu_memory_bytes=total or preset.memory_bytes,
-            gpu_name=preset.name,
-        )
-        files = load_model_files(_config_dir(case["config"]))
-        b = plan_budget(files.config, inputs, index_total_size=files.index_total_size).budget
+        inputs = case_inputs(case, version)
+        b = case_budget(case, inputs)
     except KvguardError as exc:
         return {**row, "skipped": f"kvguard refused: {exc}"}
     row.update(
-        gpu=preset.name,
+        gpu=inputs.gpu_name,
         version=version,
         tp=inputs.tp,
         pp=inputs.pp,
@@ -128,6 +110,36 @@ def evaluate(case: dict[str, Any]) -> dict[str, Any]:
         row["within_target"] = abs(err) <= 0.05
         row["within_bound"] = abs(err) <= 0.15
     return row
+
+
+def case_inputs(case: dict[str, Any], version: str | None) -> BudgetInputs:
+    """What the case's start-up ran with, as budget inputs (the logged settings only)."""
+    flags = {k: v for k, v in case["flags"].items() if v is not None}
+    resolved = case.get("resolved") or {}
+    preset = _preset(case["gpu"])
+    total = round(case["gpu_total_gib"] * GiB) if case.get("gpu_total_gib") else None
+    return BudgetInputs(
+        tp=flags.get("tp") or resolved.get("tp") or 1,
+        pp=flags.get("pp") or resolved.get("pp") or 1,
+        max_model_len=flags.get("max_model_len") or case["logged"].get("max_concurrency_tokens"),
+        gpu_memory_utilization=flags.get("gpu_memory_utilization")
+        or resolved.get("gpu_memory_utilization")
+        or 0.9,
+        block_size=flags.get("block_size") or 16,
+        kv_cache_dtype=flags.get("kv_cache_dtype") or "auto",
+        max_num_batched_tokens=flags.get("max_num_batched_tokens"),
+        max_num_seqs=flags.get("max_num_seqs"),
+        enforce_eager=bool(flags.get("enforce_eager")),
+        engine_version=version,
+        gpu_memory_bytes=total or preset.memory_bytes,
+        gpu_name=preset.name,
+    )
+
+
+def case_budget(case: dict[str, Any], inputs: BudgetInputs) -> Budget:
+    """The budget of the case's model under ``inputs``."""
+    files = load_model_files(_config_dir(case["config"]))
+    return plan_budget(files.config, inputs, index_total_size=files.index_total_size).budget
 
 
 def _preset(board: str) -> GpuPreset:

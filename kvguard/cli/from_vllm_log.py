@@ -119,9 +119,7 @@ def calibrated_inputs(log: VllmStartupLog, inputs: BudgetInputs, predicted: Budg
     gpus = inputs.tp * inputs.pp
     weights = log.weights_bytes or predicted.weights_bytes_per_gpu
     activation = log.activation_peak_bytes
-    overhead = log.non_torch_bytes
-    if overhead is not None and log.cuda_graph_reserved_before_kv_cache:
-        overhead += log.cuda_graph_estimate_bytes or 0
+    overhead = _overhead(log)
     total = log.total_gpu_memory_bytes
     if (activation is None or overhead is None) and total and log.kv_cache_memory_bytes:
         util = log.gpu_memory_utilization or predicted.inputs.gpu_memory_utilization

@@ -13,9 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from bench.budget_cases import _config_dir, _preset, evaluate, load_cases
-from kvguard.config.model_files import load_model_files
-from kvguard.core.budget import BudgetInputs, plan_budget
+from bench.budget_cases import case_budget, case_inputs, evaluate, load_cases
+from kvguard.core.budget import Budget
 from kvguard.core.units import GiB
 
 CASES = load_cases()
@@ -53,22 +52,15 @@ def test_no_case_is_beyond_fifteen_percent():
     ]
 
 
-def _with_logged_pool(case_id: str) -> tuple[dict[str, object], object]:
+def _with_logged_pool(case_id: str) -> tuple[dict[str, object], Budget]:
+    """The case's budget with its pool fixed at what vLLM logged."""
     case = next(c for c in CASES if c["id"] == case_id)
     row = next(r for r in ROWS if r["id"] == case_id)
-    flags = {k: v for k, v in case["flags"].items() if v is not None}
-    inputs = BudgetInputs(
-        tp=row["tp"],
-        pp=row["pp"],
-        max_model_len=flags.get("max_model_len") or case["logged"]["max_concurrency_tokens"],
-        block_size=flags.get("block_size") or 16,
-        kv_cache_dtype=flags.get("kv_cache_dtype") or "auto",
-        engine_version=row["version"],
-        gpu_name=_preset(case["gpu"]).name,
+    inputs = replace(
+        case_inputs(case, row["version"]),
+        kv_cache_memory_bytes=round(case["logged"]["kv_cache_gib"] * GiB),
     )
-    inputs = replace(inputs, kv_cache_memory_bytes=round(case["logged"]["kv_cache_gib"] * GiB))
-    files = load_model_files(_config_dir(case["config"]))
-    return case, plan_budget(files.config, inputs, index_total_size=files.index_total_size).budget
+    return case, case_budget(case, inputs)
 
 
 TOKEN_CASES = [

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -28,6 +27,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats, HistogramSummary
 from kvguard.errors import ProbeError
+from kvguard.probes.engines.exposition import (
+    COMMENT_LINE,
+    DESCRIPTOR_LINE,
+    SAMPLE_LINE,
+    names_for,
+)
 from kvguard.probes.engines.wanted import parse_wanted
 
 PROBE_NAME = "engine"
@@ -244,31 +249,10 @@ def _matches(labels: Labels, where: dict[str, str]) -> bool:
     return all(labels.get(key) == value for key, value in where.items())
 
 
-# What keep_lines may drop: a HELP/TYPE line or a sample line of plain shape. Anything
-# else (an HTML page, a truncated line, quoted UTF-8 names, odd spacing) is kept, so
-# the parser judges it exactly as it would without the filter.
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-# A label value unrolled ("[^"\\]*(\\.[^"\\]*)*"): several times faster in `re` than alternation.
-_LABEL = r'(?!__)[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*(?:\\.[^"\\\n]*)*"'
-_NUMBER = r"[-+]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[Ii]nf|NaN)"
-_SAMPLE_LINE = re.compile(
-    rf"({_NAME})(?:\{{(?:{_LABEL}(?:,{_LABEL})*)?\}})?[ \t]+{_NUMBER}(?:[ \t]+-?[0-9]+)?[ \t]*"
-)
-_DESCRIPTOR_LINE = re.compile(rf"# (?:HELP ({_NAME})(?:[ \t].*)?|TYPE ({_NAME})[ \t]+[a-z]+[ \t]*)")
-# A comment the parser ignores: its second word is not HELP or TYPE.
-# A plain comment: '#' alone, or '#' and blanks then anything but a HELP/TYPE word. The
-# lookahead sits after ALL the blanks (no backtracking into them): the parser reads
-# '#  TYPE x counter' (two blanks) as a TYPE line too.
-_COMMENT_LINE = re.compile(r"#(?:[ \t]+(?![ \t]|(?:HELP|TYPE)\b).*)?")
-# Sample-name suffixes of one family (counter, summary, histogram, created stamp).
-_SUFFIXES = ("_total", "_sum", "_count", "_bucket", "_created")
-
-
-def _family_of(name: str) -> str:
-    for suffix in _SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
+# What keep_lines may drop: a HELP/TYPE line or a sample line of plain shape
+# (kvguard/probes/engines/exposition.py). Anything else (an HTML page, a truncated
+# line, quoted UTF-8 names, odd spacing) is kept, so the parser judges it exactly as
+# it would without the filter.
 
 
 def keep_lines(text: str, reads: Collection[str]) -> str:
@@ -281,22 +265,20 @@ def keep_lines(text: str, reads: Collection[str]) -> str:
     plain comments. Families in real expositions are contiguous, so the kept lines parse
     to exactly the samples of ``reads`` that the whole text gives.
     """
-    samples = set(reads)
-    samples.update(name[: -len("_total")] for name in reads if name.endswith("_total"))
-    families = {*samples, *(_family_of(name) for name in samples)}
+    samples, families = names_for(reads)
     kept: list[str] = []
     for line in text.split("\n"):  # the parser splits on \n only, not on every line break
         if not line:
             continue
         if line[0] == "#":
-            match = _DESCRIPTOR_LINE.fullmatch(line)
+            match = DESCRIPTOR_LINE.fullmatch(line)
             if match is None:
-                if _COMMENT_LINE.fullmatch(line) is None:
+                if COMMENT_LINE.fullmatch(line) is None:
                     kept.append(line)
             elif (match.group(1) or match.group(2)) in families:
                 kept.append(line)
             continue
-        match = _SAMPLE_LINE.fullmatch(line)
+        match = SAMPLE_LINE.fullmatch(line)
         if match is None or match.group(1) in samples:
             kept.append(line)
     kept.append("")

@@ -4,10 +4,10 @@ A real vLLM page is 50-200 KB (histograms, one series per data-parallel engine,
 LoRA labels) of which an adapter reads a few dozen samples. :func:`keep_lines`
 (kvguard/probes/engines/base.py) checks every line of the page against the shapes
 it may drop and hands the rest to ``prometheus_client``'s parser, whose per-character
-label parsing is slow on vLLM's ``cache_config_info`` (dozens of labels per engine):
-about 5 ms for a 150 KB page on one core, at every tick.
+label parsing is slow on vLLM's ``cache_config_info`` (dozens of labels per engine),
+at every tick (docs/benchmarks.md, "Scrape cost", has the figures).
 
-:func:`parse_wanted` does the same job in well under a millisecond for the common
+:func:`parse_wanted` does the same job several times faster in the common
 case: it finds the families by their ``# HELP``/``# TYPE`` lines (one ``str.find``
 per descriptor, not a regex per line), skips the families nobody reads without
 looking inside them, and parses the wanted ones with strict regular expressions,
@@ -25,25 +25,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection
-from functools import lru_cache
+
+from kvguard.probes.engines.exposition import COMMENT_LINE, LABEL, NAME, NUMBER, names_for
 
 Labels = dict[str, str]
 Series = list[tuple[Labels, float]]
 
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-# A label value unrolled, as base.py's: several times faster in `re` than alternation.
-_VALUE = r'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'
-_LABEL = rf"(?!__)[a-zA-Z_][a-zA-Z0-9_]*={_VALUE}"
 _ONE_LABEL = re.compile(r'(?!__)([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\\n]*(?:\\.[^"\\\n]*)*)"(?:,|$)')
-_NUMBER = r"[-+]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[Ii]nf|NaN)"
+# A sample line as exposition.SAMPLE_LINE, its parts named.
 _SAMPLE = re.compile(
-    rf"(?P<name>{_NAME})(?:\{{(?P<labels>(?:{_LABEL}(?:,{_LABEL})*)?)\}})?"
-    rf"[ \t]+(?P<value>{_NUMBER})(?:[ \t]+-?[0-9]+)?[ \t]*"
+    rf"(?P<name>{NAME})(?:\{{(?P<labels>(?:{LABEL}(?:,{LABEL})*)?)\}})?"
+    rf"[ \t]+(?P<value>{NUMBER})(?:[ \t]+-?[0-9]+)?[ \t]*"
 )
-_NAME_RE = re.compile(_NAME)
-# A comment the parser ignores (as base.py's _COMMENT_LINE): '#' alone, or '#' and
-# blanks then anything but a HELP/TYPE word.
-_COMMENT = re.compile(r"#(?:[ \t]+(?![ \t]|(?:HELP|TYPE)\b).*)?")
+_NAME_RE = re.compile(NAME)
 _ESCAPES = re.compile(r'\\[\\n"]')
 _UNESCAPED = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
 # The sample names each family type allows, as prometheus_client's parser has them.
@@ -56,19 +50,6 @@ _ALLOWED_SUFFIXES = {
 _TYPES = frozenset({"counter", "gauge", "summary", "histogram", "untyped"})
 
 
-@lru_cache(maxsize=32)
-def _wanted(reads: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
-    """(sample names as read, family names that may hold them), as keep_lines has them."""
-    samples = set(reads)
-    samples.update(name[: -len("_total")] for name in reads if name.endswith("_total"))
-    families = set(samples)
-    for name in samples:
-        for suffix in ("_total", "_sum", "_count", "_bucket", "_created"):
-            if name.endswith(suffix):
-                families.add(name[: -len(suffix)])
-    return frozenset(reads), frozenset(families)
-
-
 def parse_wanted(text: str, reads: Collection[str]) -> dict[str, Series] | None:
     """The samples of ``reads`` in ``text`` (name -> [(labels, value)]), or None.
 
@@ -76,7 +57,8 @@ def parse_wanted(text: str, reads: Collection[str]) -> dict[str, Series] | None:
     """
     if not text.endswith("\n"):
         return None
-    wanted, families = _wanted(frozenset(reads))
+    wanted = reads if isinstance(reads, frozenset) else frozenset(reads)
+    _, families = names_for(wanted)
     blocks = _family_blocks(text)
     if not blocks or not _only_comments(text[: blocks[0][1]]):
         return None
@@ -98,7 +80,7 @@ def parse_wanted(text: str, reads: Collection[str]) -> dict[str, Series] | None:
 
 def _only_comments(text: str) -> bool:
     """Whether ``text`` holds nothing but blank lines and comments the parser ignores."""
-    return all(not line or _COMMENT.fullmatch(line) for line in text.split("\n"))
+    return all(not line or COMMENT_LINE.fullmatch(line) for line in text.split("\n"))
 
 
 def _family_blocks(text: str) -> list[tuple[str, int, int]]:
@@ -165,7 +147,7 @@ def _parse_family(
                     return None
                 allowed = tuple(name + s for s in _ALLOWED_SUFFIXES.get(kind, ("",)))
                 continue
-            if _COMMENT.fullmatch(line):
+            if COMMENT_LINE.fullmatch(line):
                 continue  # a comment the parser ignores
             return None  # not plainly a descriptor of this family: strict path
         brace, blank = line.find("{"), line.find(" ")
