@@ -9,9 +9,10 @@ tensor-/pipeline-parallel replica.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
+from functools import partial
 
 from kvguard.core.architecture import ConfigFields, ModelShape, parse_fields
 from kvguard.core.engine_rules import (
@@ -339,40 +340,47 @@ def compute_budget(
         max_num_seqs=inputs.max_num_seqs,
     )
     sources["batch"] = batch.source
-    kv = KvFootprint(
-        shape,
-        dtype_bytes(kv_dtype),
-        DTYPE_BYTES[shape.dtype],
-        inputs.tp,
-        inputs.pp,
-        inputs.block_size,
-        sliding_reserve_tokens=(
-            rule.in_flight_batches * batch.max_num_batched_tokens if rule.engine == "v1" else None
-        ),
-        speculative_layers=inputs.speculative_layers,
-    )
-
     weights_gpu = ceil_div(weights_bytes, gpus)
-    activation = inputs.activation_bytes
-    if activation is None:
-        activation, sources["activation"] = estimate_activation_bytes(shape, inputs.tp, batch, rule)
-    else:
-        sources["activation"] = given_as
-    overhead, sources["overhead"] = _overhead(inputs, rule, kv)
-    if inputs.overhead_bytes is not None:
-        sources["overhead"] = given_as
-    non_kv = weights_gpu + activation + overhead
-
     if inputs.kv_cache_memory_bytes is not None:
         # Like vLLM's --kv-cache-memory-bytes: the pool is fixed and the utilization
         # fraction no longer applies, so the whole GPU is the limit.
         limit = total
-        pool = inputs.kv_cache_memory_bytes
         sources["kv_pool"] = "given (--kv-cache-memory-bytes)"
     else:
         limit = math.floor(total * Fraction(str(inputs.gpu_memory_utilization)))
-        pool = max(0, limit - non_kv)
         sources["kv_pool"] = "memory x utilization - weights - activation - overhead"
+
+    sized = partial(
+        _size_for,
+        shape=shape,
+        inputs=inputs,
+        rule=rule,
+        kv_dtype=kv_dtype,
+        weights_gpu=weights_gpu,
+        limit=limit,
+        given_as=given_as,
+    )
+    chosen = sized(batch)
+    kv, activation, overhead, pool = chosen.kv, chosen.activation, chosen.overhead, chosen.pool
+    sources["activation"], sources["overhead"] = chosen.activation_source, chosen.overhead_source
+    non_kv = weights_gpu + activation + overhead
+    by_batch = {(batch.max_num_batched_tokens, batch.max_num_seqs): chosen}
+
+    def sized_at(tokens: int) -> _Sized:
+        """The budget's parts at a context of ``tokens``: vLLM's batch defaults follow it."""
+        limits = batch_defaults(
+            rule,
+            gpu_memory_bytes=total,
+            gpu_name=inputs.gpu_name,
+            max_model_len=max(tokens, 1),
+            max_num_batched_tokens=inputs.max_num_batched_tokens,
+            max_num_seqs=inputs.max_num_seqs,
+        )
+        key = (limits.max_num_batched_tokens, limits.max_num_seqs)
+        if key not in by_batch:
+            by_batch[key] = sized(limits)
+        return by_batch[key]
+
     unallocated = limit - non_kv - pool  # < 0: the lines overcommit the GPU
 
     seq_gpu = kv.sequence_bytes(max_len, per_gpu=True)
@@ -420,7 +428,7 @@ def compute_budget(
         worst_case_kv_bytes_per_gpu=worst_kv,
         worst_case_state_bytes_per_gpu=worst_state,
         max_concurrency=max_concurrency,
-        max_model_len_at_concurrency=_longest_fitting(kv, pool, inputs.concurrency, cap),
+        max_model_len_at_concurrency=_longest_fitting(sized_at, inputs.concurrency, cap),
         max_model_len_cap=cap,
         headroom_bytes_per_gpu=headroom,
         assumptions=tuple(assumptions),
@@ -518,16 +526,71 @@ def check_parallel_layout(shape: ModelShape, tp: int, pp: int) -> None:
         raise InvalidInputError("pp", pp, f"must be <= the number of layers ({shape.num_layers})")
 
 
-def _longest_fitting(kv: KvFootprint, pool: int, concurrency: int, cap: int) -> int:
-    """Longest context (<= cap) that ``concurrency`` sequences can all hold at once."""
+@dataclass(frozen=True)
+class _Sized:
+    """The parts of a budget that follow the engine's batch limits."""
+
+    kv: KvFootprint
+    activation: int
+    activation_source: str
+    overhead: int
+    overhead_source: str
+    pool: int
+
+
+def _size_for(
+    limits: BatchLimits,
+    *,
+    shape: ModelShape,
+    inputs: BudgetInputs,
+    rule: VllmRule,
+    kv_dtype: str,
+    weights_gpu: int,
+    limit: int,
+    given_as: str,
+) -> _Sized:
+    """The KV footprint, activation, overhead and pool under the batch ``limits``."""
+    kv = KvFootprint(
+        shape,
+        dtype_bytes(kv_dtype),
+        DTYPE_BYTES[shape.dtype],
+        inputs.tp,
+        inputs.pp,
+        inputs.block_size,
+        sliding_reserve_tokens=(
+            rule.in_flight_batches * limits.max_num_batched_tokens if rule.engine == "v1" else None
+        ),
+        speculative_layers=inputs.speculative_layers,
+    )
+    activation, activation_source = inputs.activation_bytes, given_as
+    if activation is None:
+        activation, activation_source = estimate_activation_bytes(shape, inputs.tp, limits, rule)
+    overhead, overhead_source = _overhead(inputs, rule, kv)
+    if inputs.overhead_bytes is not None:
+        overhead_source = given_as
+    pool = inputs.kv_cache_memory_bytes
+    if pool is None:
+        pool = max(0, limit - (weights_gpu + activation + overhead))
+    return _Sized(kv, activation, activation_source, overhead, overhead_source, pool)
+
+
+def _longest_fitting(sized_at: Callable[[int], _Sized], concurrency: int, cap: int) -> int:
+    """Longest context (<= cap) that ``concurrency`` sequences can all hold at once.
+
+    ``sized_at`` gives the footprint and pool at a context length: vLLM's default
+    batch limits follow ``max_model_len``, and with them the activation peak (so the
+    pool) and a sliding window's reserve. Longer contexts need more per sequence
+    and leave no larger a pool, so what fits is a prefix of the lengths.
+    """
 
     def fits(tokens: int) -> bool:
-        per_seq = kv.sequence_bytes(tokens, per_gpu=True) + kv.state_bytes(per_gpu=True)
-        return concurrency * per_seq <= pool
+        at = sized_at(tokens)
+        per_seq = at.kv.sequence_bytes(tokens, per_gpu=True) + at.kv.state_bytes(per_gpu=True)
+        return concurrency * per_seq <= at.pool
 
     if not fits(0):
         return 0
-    low, high = 0, cap  # invariant: fits(low); sequence bytes only grow with tokens
+    low, high = 0, cap  # invariant: fits(low)
     while low < high:
         mid = (low + high + 1) // 2
         if fits(mid):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from kvguard.core.architecture import parse_model_config
@@ -140,8 +140,35 @@ def test_more_tp_never_raises_per_gpu_kv_bytes(scenario, factor):
     assert wide.state_bytes_per_sequence_per_gpu <= narrow.state_bytes_per_sequence_per_gpu
 
 
+# Found by the property below: at max_model_len 1, vLLM's default batch is 256 tokens
+# (max_num_seqs x max_model_len), at any longer context 2,048, whose activation peak
+# leaves this 16-way model no pool at all: the max context is 0, not what the small
+# batch's pool would hold.
+SMALL_BATCH_AT_ONE_TOKEN = (
+    {
+        "num_hidden_layers": 49,
+        "hidden_size": 512,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 1,
+        "intermediate_size": 64,
+        "vocab_size": 100,
+        "max_position_embeddings": 256,
+        "torch_dtype": "bfloat16",
+    },
+    BudgetInputs(
+        tp=16,
+        max_model_len=1,
+        concurrency=1,
+        gpu_memory_bytes=10_266_718_616,
+        gpu_memory_utilization=0.375,
+        block_size=1,
+    ),
+)
+
+
 @settings(max_examples=100, deadline=None)
 @given(scenarios())
+@example(SMALL_BATCH_AT_ONE_TOKEN)
 def test_max_context_is_tight(scenario):
     """The reported max context fits, and one more block would not (unless at the model cap)."""
     config, inputs = scenario
