@@ -378,7 +378,8 @@ def proxy_row() -> list[Json]:
             "no_room_for_completion; malformed or not forwardable: invalid_body, "
             "bad_target, bad_header, bad_path, method_not_allowed, path_not_allowed, "
             "path_blocked), and cancelled by reason (kvguard_requests_cancelled_total: "
-            "largest to free KV, drain). These counters have no priority label.",
+            "largest to free KV, overrun: answers past their reservation before the pool runs "
+            "out, drain). These counters have no priority label.",
             "reqps",
             [
                 target(f"sum({rate('kvguard_requests_clamped_total')})", "clamped"),

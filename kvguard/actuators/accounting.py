@@ -176,7 +176,7 @@ class InflightRequest:
     generated: int = 0
     cancel: Callable[[], None] | None = field(default=None, repr=False)
     cancelled: bool = False
-    cancel_reason: str | None = None  # largest, drain
+    cancel_reason: str | None = None  # largest, overrun, drain
     # While prompt_tokens is an estimate: the prompt's key in the count cache, so the
     # engine's count (from its answer's usage or /tokenize) is remembered when it comes.
     prompt_key: int | None = None
@@ -187,6 +187,7 @@ class InflightRequest:
     # The most its answers may hold (max_tokens, else the context's room): the bound
     # of its reservation once it outruns the learned estimate.
     output_ceiling: int | None = None
+    outran: bool = False  # its answer ran past the reservation it was admitted with
     sequences: int = 1  # prompts x samples (n, best_of): answers the engine writes
     # (model, route, priority): whose answer lengths this one's is learned with.
     kind: tuple[str, str, str] | None = None
@@ -256,6 +257,19 @@ class Inflight:
         if self._requests.pop(request, None) is not None:
             self.kv_tokens.observe(request.footprint_tokens)
             self.prompt_tokens.observe(request.prompt_tokens)
+
+    def running_answers(self) -> list[tuple[tuple[str, str, str], int]]:
+        """(kind, tokens per sequence written so far) of each answer being written.
+
+        What the learned lengths count as answers at least that long (see
+        :meth:`kvguard.core.lengths.ObservedLengths.estimate`); answers with nothing
+        written yet tell nothing and are left out.
+        """
+        return [
+            (r.kind, r.output_per_sequence)
+            for r in self._requests.values()
+            if r.kind is not None and r.generated > 0
+        ]
 
     def projected_tokens(self, block_size: int) -> int:
         """Tokens all in-flight requests will hold at most, each rounded up to whole blocks."""

@@ -409,7 +409,8 @@ class DaemonCollector(Collector):
         )
         yield counter_family(
             "kvguard_requests_cancelled",
-            "Requests cancelled: the largest to free KV cache, or left over by a drain.",
+            "Requests cancelled: the largest to free KV cache, answers past their"
+            " reservation before the pool runs out, or left over by a drain.",
             ["reason"],
             counters.cancelled,
         )

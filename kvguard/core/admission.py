@@ -236,3 +236,27 @@ def in_flight_tokens(reserved: int, engine_used: int | None) -> int:
     reading.
     """
     return reserved if engine_used is None else max(reserved, engine_used)
+
+
+def overrun_cancels(
+    used: int, growth: float, pool: int | None, footprints: Sequence[int], running: int
+) -> int:
+    """How many answers past their reservation to cancel so the pool lasts to the next reading.
+
+    ``used`` is what the engine says it holds now and ``growth`` how much it grew
+    since its previous reading, which the next interval is assumed to repeat;
+    ``footprints`` are the candidates' holdings in the order they would go and
+    ``running`` the answers being written (each cancelled one takes its share of the
+    growth with it). None while the engine holds and adds less than the pool: an
+    engine that preempts would have to preempt, one that allocates per sequence
+    would crash. An unknown pool cancels nothing.
+    """
+    if pool is None:
+        return 0
+    share = growth / running if running > 0 else 0.0
+    cancels = 0
+    while used + growth > pool and cancels < len(footprints):
+        used -= footprints[cancels]
+        growth = max(growth - share, 0.0)
+        cancels += 1
+    return cancels

@@ -10,6 +10,15 @@ stand in for it (the model and route over all priorities, then the model, then
 everything); with none of them known, there is no estimate and the caller reserves
 the ask (the conservative prior).
 
+Completed answers alone are a biased sample: short answers finish first, so early in
+a burst the first answers seen are the short ones, while the long ones of the same
+kind are still being written. :meth:`ObservedLengths.estimate` therefore also takes
+the answers still running, each known to be at least as long as what it has written
+so far (right-censored), and reads the quantile off the Kaplan-Meier estimate of the
+length distribution. While more than ``1 - quantile`` of the answers may still be
+longer than any seen to end, there is no estimate either: the caller reserves the
+ask until the long ones end or enough short ones outweigh them.
+
 Every figure is per sequence (a request with ``n`` = 4 holds four answers), and each
 kind keeps only its ``window`` most recent lengths; at most ``max_kinds`` kinds are
 kept (the least recently seen is forgotten). Nothing here reads a clock or does I/O.
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # A kind of request: (model, route, priority). "" stands for "any" in the broader kinds.
@@ -116,16 +126,32 @@ class ObservedLengths:
             table.move_to_end(key)
         return recent
 
-    def estimate(self, kind: Kind) -> LengthEstimate | None:
-        """The ``quantile`` of recent answer lengths of ``kind`` (or the nearest broader kind).
+    def estimate(
+        self, kind: Kind, running: Iterable[tuple[Kind, int]] = (), beyond: int = 0
+    ) -> LengthEstimate | None:
+        """The ``quantile`` of answer lengths of ``kind`` (or the nearest broader kind).
 
-        None while no kind it falls under has ``min_samples`` answers: then the
-        caller reserves what the client asked.
+        ``running`` are the answers still being written, as (their kind, tokens per
+        sequence written so far): each will be at least that long, so those of the
+        kind counted in (its own, or a narrower one) with the ended ones (see the
+        module's docstring). With ``beyond``, the quantile of the answers longer than
+        that: what one already ``beyond`` tokens long will likely reach. None while
+        no kind it falls under has ``min_samples`` ended answers, or while the
+        quantile lies past every answer seen to end: then the caller reserves what
+        the client asked.
         """
         for key in _broader(kind):
             recent = self._kinds.get(key)
-            if recent is not None and len(recent.values) >= self.terms.min_samples:
-                return LengthEstimate(recent.quantile(self.terms.quantile), len(recent.values), key)
+            if recent is None or len(recent.values) < self.terms.min_samples:
+                continue
+            q = self.terms.quantile
+            censored = sorted(g for k, g in running if g > 0 and key in _broader(k))
+            if not censored and not beyond:
+                return LengthEstimate(recent.quantile(q), len(recent.values), key)
+            tokens = censored_quantile(sorted(recent.values), censored, q, beyond)
+            if tokens is None:
+                return None
+            return LengthEstimate(tokens, len(recent.values), key)
         return None
 
     def observe_prompt(self, model: str, counted: int, estimated: int) -> None:
@@ -171,6 +197,43 @@ class ObservedLengths:
                 }
             )
         return out
+
+
+def censored_quantile(
+    ended: list[int], running: list[int], q: float, beyond: int = 0
+) -> int | None:
+    """The ``q`` quantile of lengths from ``ended`` answers and ``running`` lower bounds.
+
+    Both lists ascending. The Kaplan-Meier product-limit estimate of the share of
+    answers longer than x, where an answer still running at ``c`` tokens is known
+    to be longer than every length up to ``c`` (and counted at risk there); the
+    quantile is the smallest ended length at which that share falls to ``1 - q``
+    or below, or None when it never does within what has ended. Without running
+    answers it is the nearest-rank quantile of ``ended``. With ``beyond``, the
+    quantile of the answers longer than ``beyond`` (the share relative to theirs):
+    what an answer already ``beyond`` tokens long will likely reach.
+    """
+    at_risk = len(ended) + len(running)
+    survival = 1.0
+    base: float | None = None if beyond > 0 else 1.0  # the share longer than `beyond`
+    slack = 1e-9  # a product of fractions: 19/20 * ... is not exactly 0.05
+    i = j = 0
+    while i < len(ended):
+        length = ended[i]
+        if base is None and length > beyond:
+            base = survival
+        while j < len(running) and running[j] < length:
+            j += 1  # still running, but shorter so far: no longer known to be at risk
+            at_risk -= 1
+        ended_here = 0
+        while i < len(ended) and ended[i] == length:
+            ended_here += 1
+            i += 1
+        survival *= 1.0 - ended_here / at_risk
+        at_risk -= ended_here
+        if base is not None and survival <= (1.0 - q) * base + slack:
+            return length
+    return None
 
 
 def _broader(kind: Kind) -> tuple[Kind, ...]:

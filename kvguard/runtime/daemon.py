@@ -177,6 +177,9 @@ class Daemon(BudgetKeeping):
             actuators.set_kind(self.probes.engine.kind)
             self.brain.unavailable = actuators.unavailable()
         self.brain.step(snapshot, self.wall_clock())
+        if self.proxy is not None:
+            # Answers past their learned length are the long ones a pool runs out on.
+            self.proxy.review_reservations()
         # The engine's fresh count of what it holds may leave room for requests waiting.
         self._recheck_held_requests()
 

@@ -177,6 +177,54 @@ def test_an_answer_past_its_learned_length_is_reserved_ahead_of_it():
     assert plain.projected_tokens == 2100
 
 
+def test_each_tick_an_answer_past_its_learned_length_is_reserved_at_what_longer_ones_reach():
+    """Past its learned length, an answer is reserved at the quantile of those longer than it.
+
+    Of 40 answers of its kind, 36 ended at 40 tokens and 4 at 900-1,200: p95 is 40 at
+    admission, so a long one is admitted at 40. Each tick, one that ran past that is
+    reserved again at the p95 of the answers longer than what it has written; one
+    longer than every answer seen to end, at its ceiling.
+    """
+    mitigations = Mitigations(pool_tokens=8000, block_size=16)
+    proxy = AdmissionProxy(
+        ProxySettings(upstream="http://127.0.0.1:9", reserve_min_samples=20), mitigations
+    )
+    kind = ("m", "/v1/completions", "standard")
+    for tokens in [40] * 36 + [900, 1000, 1100, 1200]:
+        proxy.lengths.observe(kind, tokens, tokens + 100)
+    assert proxy.lengths.estimate(kind).tokens == 1000  # type: ignore[union-attr]
+    for tokens in [40] * 40:
+        proxy.lengths.observe(kind, tokens, tokens + 100)
+    assert proxy.lengths.estimate(kind).tokens == 40  # type: ignore[union-attr]
+
+    def admitted(generated: int) -> InflightRequest:
+        tracked = InflightRequest("r", "standard", prompt_tokens=100, max_tokens=2000)
+        tracked.kind, tracked.reserved_output, tracked.output_ceiling = kind, 40, 2000
+        tracked.generated = generated
+        proxy.inflight.add(tracked)
+        return tracked
+
+    within = admitted(30)
+    past = admitted(300)
+    beyond_all = admitted(1300)
+    # The tick's review; nothing is cancelled (the engine's count is not known here).
+    assert proxy.review_reservations() == 0
+    assert within.reserved_output == 40  # not past its reservation: unchanged
+    # Longer than 300: 900, 1,000, 1,100, 1,200 ended and one running at 1,300 (at
+    # least that long): p95 of those is past every end seen, so its ceiling.
+    assert past.reserved_output == 2000
+    assert beyond_all.reserved_output == 2000
+    assert "its ceiling" in beyond_all.reserved_from
+    proxy.inflight.done(beyond_all)
+    # Without the one running past them all, the ended ones bound it: p95 of the
+    # answers longer than 300 (900-1,200) is 1,200.
+    past.reserved_output = 40
+    proxy.review_reservations()
+    assert past.reserved_output == 1200
+    assert past.reserved_from == "p95 output 1200 tokens of the answers of its kind longer than 300"
+    assert past.projected_tokens == 100 + 1200
+
+
 async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_to):
     """One request fills the pool; when it ends, critical goes first, then the newest standard."""
     server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)

@@ -451,7 +451,7 @@ async def test_cancel_largest_frees_the_engines_blocks(sim_server, proxy_to):
         assert len(server.engine.scheduler.running) == 1  # the critical one runs on
         big.close()
         small.close()
-    assert state.counters.cancelled == {"largest": 1, "drain": 0}
+    assert state.counters.cancelled == {"largest": 1, "overrun": 0, "drain": 0}
 
 
 async def test_accounting_tracks_inflight_requests(sim_server, proxy_to):

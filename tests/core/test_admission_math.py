@@ -18,6 +18,7 @@ from kvguard.core.admission import (
     fits_pool,
     may_hold,
     needs_exact_count,
+    overrun_cancels,
     whole_blocks,
 )
 
@@ -163,3 +164,37 @@ def test_projected_admission_admits_what_fits_and_a_lone_critical_request():
     assert not admits(0, 5000, 1000, 0.9, critical=False)  # only critical goes in alone
     assert admits(400, 500, 1000, 0.9, critical=False)  # 900 <= 900
     assert not admits(416, 500, 1000, 0.9, critical=False)
+
+
+def test_answers_past_their_reservation_are_cancelled_only_when_the_pool_would_run_out():
+    """The engine's count plus the growth it just showed, against the pool."""
+    # 7,000 held, grew 500 since the last reading: 7,500 fits the 8,000 pool.
+    assert overrun_cancels(7000, 500, 8000, [1500, 1200], running=5) == 0
+    # 7,600 + 500 would not: the first candidate goes (its 1,500 and a fifth of the growth).
+    assert overrun_cancels(7600, 500, 8000, [1500, 1200], running=5) == 1
+    # Small candidates: as many as it takes, and no more than there are.
+    assert overrun_cancels(7950, 400, 8000, [50, 50, 50], running=4) == 3
+    assert overrun_cancels(7950, 400, 8000, [50, 200, 50], running=4) == 2
+    assert overrun_cancels(7950, 400, 8000, [50], running=4) == 1  # all there are
+    # Nothing known about the pool: nothing cancelled.
+    assert overrun_cancels(9000, 400, None, [100], running=1) == 0
+
+
+@given(
+    used=st.integers(0, 20_000),
+    growth=st.integers(0, 5_000),
+    pool=st.integers(1, 20_000),
+    footprints=st.lists(st.integers(1, 3_000), max_size=20),
+)
+def test_overrun_cancels_the_fewest_that_make_the_pool_last(used, growth, pool, footprints):
+    """After the cancels the pool lasts (unless every candidate went); one fewer would not."""
+    running = len(footprints) + 3
+    n = overrun_cancels(used, growth, pool, footprints, running)
+    assert 0 <= n <= len(footprints)
+    share = growth / running
+
+    def lasts(k: int) -> bool:
+        return used - sum(footprints[:k]) + max(growth - k * share, 0) <= pool
+
+    assert n == len(footprints) or lasts(n)
+    assert n == 0 or not lasts(n - 1)

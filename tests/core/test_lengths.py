@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvguard.core import admission as rules
-from kvguard.core.lengths import LengthTerms, ObservedLengths
+from kvguard.core.lengths import LengthTerms, ObservedLengths, censored_quantile
 
 CHAT = ("llama", "/v1/chat/completions", "standard")
 
@@ -109,3 +113,64 @@ def test_the_prompt_estimate_is_scaled_by_what_the_engine_counted():
     assert lengths.prompt_scale("qwen") is None  # per model
     lengths.observe_prompt("llama", 0, 100)  # nonsense is not learned
     assert lengths.prompt_scale("llama") == 0.5
+
+
+def test_answers_still_running_keep_the_quantile_from_the_short_ones_that_ended_first():
+    """Early in a burst the short answers end first: the long ones still running count.
+
+    Twenty short answers ended (1..20 tokens); six of the same kind are still being
+    written, each already past 300 tokens. More than 5% of the answers are longer than
+    any that ended, so there is no p95 yet (the caller reserves the ask); once enough
+    of them end, the quantile is read from lengths that include them.
+    """
+    lengths = ObservedLengths(LengthTerms(quantile=0.95, min_samples=20, window=100))
+    for tokens in range(1, 21):
+        lengths.observe(CHAT, tokens, tokens + 10)
+    assert lengths.estimate(CHAT).tokens == 19  # type: ignore[union-attr]
+    running = [(CHAT, 300)] * 6
+    assert lengths.estimate(CHAT, running) is None
+    # Running answers of another model, or with nothing written yet, tell nothing.
+    assert lengths.estimate(CHAT, [(("qwen", *CHAT[1:]), 300)] * 6).tokens == 19  # type: ignore[union-attr]
+    assert lengths.estimate(CHAT, [(CHAT, 0)] * 6).tokens == 19  # type: ignore[union-attr]
+    # A narrower kind's running answers count for the broader kind standing in for it.
+    critical = ("llama", "/v1/chat/completions", "critical")
+    assert lengths.estimate(critical, [(critical, 300)] * 6) is None
+    for tokens in (400, 500, 600, 700, 800, 900):
+        lengths.observe(CHAT, tokens, tokens + 10)
+    # 26 ended: p95 by nearest rank is the 25th, 800.
+    assert lengths.estimate(CHAT).tokens == 800  # type: ignore[union-attr]
+
+
+def test_the_censored_quantile_by_hand():
+    """Kaplan-Meier: an answer running at c tokens is at risk for every end up to c."""
+    # 4 ended (10, 20, 30, 40), one running at 25. S(10)=4/5, S(20)=4/5*3/4=3/5,
+    # then the running one leaves the risk set: S(30)=3/5*1/2=3/10, S(40)=0.
+    assert censored_quantile([10, 20, 30, 40], [25], 0.5) == 30
+    assert censored_quantile([10, 20, 30, 40], [25], 0.4) == 20
+    # Without it, the median of four is the second (nearest rank).
+    assert censored_quantile([10, 20, 30, 40], [], 0.5) == 20
+    # A running answer longer than every ended one: the top of the tail is unknown.
+    assert censored_quantile([10, 20, 30, 40], [50], 1.0) is None
+    assert censored_quantile([10, 20, 30, 40], [50], 0.75) == 40
+    # Ties end together.
+    assert censored_quantile([5, 5, 5, 9], [], 0.75) == 5
+
+
+@given(
+    ended=st.lists(st.integers(0, 5000), min_size=1, max_size=60),
+    running=st.lists(st.integers(1, 5000), max_size=30),
+    q=st.sampled_from([0.5, 0.9, 0.95, 0.99, 1.0]),
+)
+def test_running_answers_never_lower_the_quantile(ended, running, q):
+    """Without running answers it is the nearest-rank quantile; with them, never lower.
+
+    Kaplan-Meier moves a running answer's share onto the longer ends (it is at least
+    that long), where leaving it out spreads it over every end: never a smaller
+    reservation than the ended answers alone give.
+    """
+    ended.sort()
+    running.sort()
+    nearest = ended[max(0, math.ceil(q * len(ended)) - 1)]
+    assert censored_quantile(ended, [], q) == nearest
+    with_running = censored_quantile(ended, running, q)
+    assert with_running is None or with_running >= nearest

@@ -74,6 +74,8 @@ class Admission:
         # tickets (arrival order) -> their own projections; and the next ticket.
         self._waiting_ranks: dict[int, dict[int, int]] = {}
         self._tickets = 0
+        # The engine's count of what it held at the previous tick: its growth.
+        self._last_used: int | None = None
 
     def wake(self) -> None:
         """Make requests waiting for room re-check now (one ended, or the mitigations changed)."""
@@ -279,7 +281,13 @@ class Admission:
         the longest prompt), the learned quantile once enough answers were seen.
         """
         context = self.mitigations.context_tokens
-        learned = self.lengths.estimate(tracked.kind) if tracked.kind is not None else None
+        # The answers still being written count too: early in a burst the short ones
+        # end first, and the long ones of the same kind must not go unseen.
+        learned = (
+            self.lengths.estimate(tracked.kind, self._inflight.running_answers())
+            if tracked.kind is not None
+            else None
+        )
         per_sequence, source = rules.reserved_answer(
             max_tokens,
             learned.tokens if learned is not None else None,
@@ -297,6 +305,77 @@ class Admission:
             if source == "observed" and learned is not None
             else f"{per_sequence} output tokens ({source})"
         )
+
+    def review_outrunners(self) -> int:
+        """Re-reserve each answer that ran past its learned length; how many were.
+
+        Called every tick. Such an answer is longer than most of its kind, and the
+        long ones are what a pool runs out on: it is reserved again at the
+        ``reserve_quantile`` of the answers of its kind known to be longer than what
+        it has written (running ones counted), else, when none that long has ended,
+        at its ceiling. Between ticks its projection is twice what it has written.
+        """
+        running: list[tuple[tuple[str, str, str], int]] | None = None
+        reviewed = 0
+        for tracked in self._inflight:
+            reserved, ceiling = tracked.reserved_output, tracked.output_ceiling
+            if reserved is None or ceiling is None or tracked.kind is None:
+                continue
+            if tracked.generated <= reserved:
+                continue
+            tracked.outran = True
+            if running is None:
+                running = self._inflight.running_answers()
+            sequences = max(tracked.sequences, 1)
+            written = tracked.output_per_sequence
+            learned = self.lengths.estimate(tracked.kind, running, beyond=written)
+            per_sequence = ceiling // sequences if learned is None else learned.tokens
+            tracked.reserved_output = max(min(per_sequence * sequences, ceiling), tracked.generated)
+            quantile = f"p{self.settings.reserve_quantile * 100:g}"
+            tracked.reserved_from = (
+                f"{tracked.reserved_output // sequences} output tokens (its ceiling: at"
+                f" {written} it is longer than every answer of its kind seen to end)"
+                if learned is None
+                else f"{quantile} output {learned.tokens} tokens of the answers of its kind"
+                f" longer than {written}"
+            )
+            reviewed += 1
+        return reviewed
+
+    def overrunning(self) -> list[InflightRequest]:
+        """The answers past their reservation to cancel now, so the engine's pool lasts.
+
+        Called every tick with the engine's fresh count. Learned reservations are a
+        quantile: a few answers run past them, and when several long ones run at
+        once they can fill the pool on their own — which an engine that allocates
+        per sequence does not survive, and one that preempts pays for in recompute.
+        When the engine's count plus its growth since the last reading (assumed
+        again before the next) would pass the pool, the answers that ran past
+        their reservation go, lowest class first and within a class the newest
+        (the least work lost), never a critical one, until it would not.
+        """
+        used, pool = self.mitigations.engine_used_tokens, self.mitigations.pool_tokens
+        last, self._last_used = self._last_used, used
+        if used is None or pool is None or last is None or not self.mitigations.enforcing:
+            return []
+        growth = max(used - last, 0)
+        if used + growth <= pool:
+            return []
+        requests = list(self._inflight)
+        order = {id(r): i for i, r in enumerate(requests)}
+        candidates = sorted(
+            (
+                r
+                for r in requests
+                if r.outran and r.priority != "critical" and not r.cancelled and r.cancel
+            ),
+            key=lambda r: (rank(r.priority), -order[id(r)]),
+        )
+        running = sum(1 for r in requests if r.generated > 0)
+        footprints = [
+            rules.whole_blocks(r.footprint_tokens, self.mitigations.block_size) for r in candidates
+        ]
+        return candidates[: rules.overrun_cancels(used, growth, pool, footprints, running)]
 
     def half_reserved(self) -> bool:
         """Whether admission is enforced and half the pool or more is reserved."""

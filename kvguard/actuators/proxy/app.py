@@ -119,6 +119,20 @@ class AdmissionProxy:
         """Make requests waiting for room re-check now (the mitigations in force changed)."""
         self._admission.wake()
 
+    def review_reservations(self) -> int:
+        """Each tick: re-reserve answers past their learned length, cancel what would overrun.
+
+        Returns how many were cancelled (``kvguard_requests_cancelled_total{reason=
+        "overrun"}``): the answers past their reservation that, at the engine's
+        growth, would fill its pool before the next reading.
+        """
+        admission = self._admission
+        admission.review_outrunners()
+        victims = admission.overrunning()
+        for victim in victims:
+            self._cancel(victim, "overrun")
+        return len(victims)
+
     @web.middleware
     async def _screen(
         self,

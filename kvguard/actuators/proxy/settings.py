@@ -75,6 +75,6 @@ class ProxyCounters:
         self.shed: Counter[tuple[str, str]] = Counter()  # (priority, reason)
         self.clamped = 0
         self.rejected: Counter[str] = Counter()  # reason (window caps, malformed requests)
-        # reason: largest, drain (both present from the start: 0 is not absent)
-        self.cancelled: Counter[str] = Counter({"largest": 0, "drain": 0})
+        # reason: largest, overrun, drain (present from the start: 0 is not absent)
+        self.cancelled: Counter[str] = Counter({"largest": 0, "overrun": 0, "drain": 0})
         self.upstream_errors: Counter[str] = Counter()  # 408/413/503 (body), 502/504
