@@ -148,6 +148,20 @@ async def test_a_failed_engine_read_keeps_the_pool_projected_admission_uses():
     assert daemon.mitigations.pool_tokens == 240 * 16  # restarted with more: the new pool
 
 
+async def test_only_vllm_pools_lose_a_null_block():
+    """SGLang's and TensorRT-LLM's capacities are what requests can hold, as reported."""
+    sglang = engine_stats(
+        kind="sglang", kv_capacity_tokens=121 * 16, kv_capacity_blocks=121, block_size=16
+    )
+    daemon, _, _ = make(engine=sglang)
+    await daemon.tick()
+    assert daemon.mitigations.pool_tokens == 121 * 16
+    trtllm = engine_stats(kind="trtllm", kv_capacity_blocks=100, block_size=32)
+    daemon, _, _ = make(engine=trtllm)
+    await daemon.tick()
+    assert daemon.mitigations.pool_tokens == 100 * 32
+
+
 async def test_a_hung_probe_does_not_stall_the_tick():
     """A probe that never answers times out; the tick completes with the others fresh."""
     daemon, probes, _ = make()
