@@ -16,6 +16,7 @@ from functools import partial
 
 from kvguard.core.architecture import ConfigFields, ModelShape, parse_fields
 from kvguard.core.engine_rules import (
+    V0_CHUNKED_FROM,
     BatchLimits,
     VllmRule,
     batch_defaults,
@@ -428,7 +429,14 @@ def compute_budget(
         worst_case_kv_bytes_per_gpu=worst_kv,
         worst_case_state_bytes_per_gpu=worst_state,
         max_concurrency=max_concurrency,
-        max_model_len_at_concurrency=_longest_fitting(sized_at, inputs.concurrency, cap),
+        max_model_len_at_concurrency=_longest_fitting(
+            sized_at,
+            inputs.concurrency,
+            cap,
+            breaks=(V0_CHUNKED_FROM,)
+            if rule.engine == "v0" and inputs.max_num_batched_tokens is None
+            else (),
+        ),
         max_model_len_cap=cap,
         headroom_bytes_per_gpu=headroom,
         assumptions=tuple(assumptions),
@@ -574,13 +582,17 @@ def _size_for(
     return _Sized(kv, activation, activation_source, overhead, overhead_source, pool)
 
 
-def _longest_fitting(sized_at: Callable[[int], _Sized], concurrency: int, cap: int) -> int:
+def _longest_fitting(
+    sized_at: Callable[[int], _Sized], concurrency: int, cap: int, breaks: tuple[int, ...] = ()
+) -> int:
     """Longest context (<= cap) that ``concurrency`` sequences can all hold at once.
 
     ``sized_at`` gives the footprint and pool at a context length: vLLM's default
     batch limits follow ``max_model_len``, and with them the activation peak (so the
-    pool) and a sliding window's reserve. Longer contexts need more per sequence
-    and leave no larger a pool, so what fits is a prefix of the lengths.
+    pool) and a sliding window's reserve. Between the ``breaks`` (the lengths after
+    which the default batch shrinks: V0's chunked prefill) longer contexts need more
+    per sequence and leave no larger a pool, so within each span what fits is a
+    prefix; the answer is the longest over the spans.
     """
 
     def fits(tokens: int) -> bool:
@@ -588,16 +600,21 @@ def _longest_fitting(sized_at: Callable[[int], _Sized], concurrency: int, cap: i
         per_seq = at.kv.sequence_bytes(tokens, per_gpu=True) + at.kv.state_bytes(per_gpu=True)
         return concurrency * per_seq <= at.pool
 
-    if not fits(0):
-        return 0
-    low, high = 0, cap  # invariant: fits(low)
-    while low < high:
-        mid = (low + high + 1) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    longest = 0
+    starts = (0, *(b + 1 for b in breaks if b < cap))
+    ends = (*(b for b in breaks if b < cap), cap)
+    for start, end in zip(starts, ends, strict=True):
+        if not fits(start):
+            continue
+        low, high = start, end  # invariant: fits(low)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if fits(mid):
+                low = mid
+            else:
+                high = mid - 1
+        longest = max(longest, low)
+    return longest
 
 
 def estimate_activation_bytes(

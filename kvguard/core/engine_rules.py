@@ -99,6 +99,12 @@ class BatchLimits:
     source: str
 
 
+# V0 chunked its prefills (2,048-token chunks) only for contexts longer than this; at
+# shorter ones a step could hold a whole prompt. Its batch, so its activation peak,
+# shrinks past it: the one length where a longer context leaves a larger pool.
+V0_CHUNKED_FROM = 32_768
+
+
 def batch_defaults(
     rule: VllmRule,
     *,
@@ -115,7 +121,7 @@ def batch_defaults(
         seqs, why = 256, "V0 engine defaults"
         # V0 enabled chunked prefill (2,048-token chunks) only past 32K contexts;
         # otherwise a step could hold a whole max_model_len prompt.
-        tokens = 2048 if max_model_len > 32_768 else max(max_model_len, 2048)
+        tokens = 2048 if max_model_len > V0_CHUNKED_FROM else max(max_model_len, 2048)
     elif rule.profiles_cuda_graphs and gpu_memory_bytes >= 160 * GiB:
         tokens, seqs, why = 16_384, 1024, "vLLM default for GPUs of 160 GiB or more"
     elif gpu_memory_bytes >= 70 * GiB and "a100" not in name:

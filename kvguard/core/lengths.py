@@ -31,6 +31,7 @@ before the engine counted it is sized close to what it really holds.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -68,21 +69,29 @@ class LengthEstimate:
 class _Recent:
     """The last ``window`` values of one kind, with its quantile computed on demand."""
 
-    __slots__ = ("_quantile", "values")
+    __slots__ = ("_quantile", "_sorted", "values")
 
     def __init__(self, window: int) -> None:
         self.values: deque[int] = deque(maxlen=window)
         self._quantile: tuple[float, int] | None = None  # (q, value), until the next add
+        self._sorted: list[int] | None = None  # the values ascending, until the next add
 
     def add(self, value: int) -> None:
         self.values.append(value)
         self._quantile = None
+        self._sorted = None
+
+    def ascending(self) -> list[int]:
+        """The values in ascending order (kept until the next add; do not change it)."""
+        if self._sorted is None:
+            self._sorted = sorted(self.values)
+        return self._sorted
 
     def quantile(self, q: float) -> int:
         cached = self._quantile
         if cached is not None and cached[0] == q:
             return cached[1]
-        ordered = sorted(self.values)
+        ordered = self.ascending()
         # Nearest rank: the smallest value at least q of the values are at or under.
         value = ordered[max(0, math.ceil(q * len(ordered)) - 1)]
         self._quantile = (q, value)
@@ -97,6 +106,9 @@ class ObservedLengths:
         self._kinds: OrderedDict[Kind, _Recent] = OrderedDict()
         # Prompt + answer of recent requests, all kinds: what a typical request needs.
         self._sizes = _Recent(terms.window)
+        # Answers cut before their end (the client went away, kvguard cancelled them, the
+        # engine failed), at the length they had: each would have been at least that long.
+        self._cut: OrderedDict[Kind, _Recent] = OrderedDict()
         # Per model: the engine's prompt count over the proxy's estimate (thousandths).
         self._prompt_ratios: OrderedDict[Kind, _Recent] = OrderedDict()
 
@@ -114,6 +126,19 @@ class ObservedLengths:
         for key in _broader(kind):
             self._recent(self._kinds, key).add(output)
         self._sizes.add(max(0, int(request_tokens)))
+
+    def observe_cut(self, kind: Kind, written_per_sequence: int) -> None:
+        """Record an answer cut before its end, at what it had written (per sequence).
+
+        Not a length, but a lower bound on one: the quantile counts it as an answer
+        still running would be counted, so the long answers that are cut (by the
+        client, or cancelled for running past their reservation) are not forgotten.
+        """
+        written = int(written_per_sequence)
+        if written < 1:
+            return
+        for key in _broader(kind):
+            self._recent(self._cut, key).add(written)
 
     def _recent(self, table: OrderedDict[Kind, _Recent], key: Kind) -> _Recent:
         """``table``'s values for ``key``, made most recently seen (the oldest kind forgotten)."""
@@ -145,10 +170,14 @@ class ObservedLengths:
             if recent is None or len(recent.values) < self.terms.min_samples:
                 continue
             q = self.terms.quantile
-            censored = sorted(g for k, g in running if g > 0 and key in _broader(k))
+            censored = [g for k, g in running if g > 0 and _covers(key, k)]
+            cut = self._cut.get(key)
+            if cut is not None:
+                censored.extend(cut.values)
             if not censored and not beyond:
                 return LengthEstimate(recent.quantile(q), len(recent.values), key)
-            tokens = censored_quantile(sorted(recent.values), censored, q, beyond)
+            censored.sort()
+            tokens = censored_quantile(recent.ascending(), censored, q, beyond)
             if tokens is None:
                 return None
             return LengthEstimate(tokens, len(recent.values), key)
@@ -213,6 +242,14 @@ def censored_quantile(
     quantile of the answers longer than ``beyond`` (the share relative to theirs):
     what an answer already ``beyond`` tokens long will likely reach.
     """
+    if beyond > 0:
+        # A quantile of the answers longer than `beyond` needs enough of them: with
+        # fewer than 1 / (1 - q) it would only be the longest of a handful.
+        longer = (
+            len(ended) - bisect_right(ended, beyond) + len(running) - bisect_left(running, beyond)
+        )
+        if q >= 1.0 or longer < math.ceil(1.0 / (1.0 - q) - 1e-9):
+            return None
     at_risk = len(ended) + len(running)
     survival = 1.0
     base: float | None = None if beyond > 0 else 1.0  # the share longer than `beyond`
@@ -234,6 +271,11 @@ def censored_quantile(
         if base is not None and survival <= (1.0 - q) * base + slack:
             return length
     return None
+
+
+def _covers(key: Kind, kind: Kind) -> bool:
+    """Whether ``key`` is ``kind`` or one of its broader kinds (``""`` stands for any)."""
+    return all(part in ("", own) for part, own in zip(key, kind, strict=True))
 
 
 def _broader(kind: Kind) -> tuple[Kind, ...]:

@@ -295,6 +295,7 @@ class Brain:
             self.mitigations.engine_used_tokens = None
             return
         blocks, block = engine.kv_capacity_blocks, engine.block_size
+        pool: int | None
         if engine.kind == "vllm" and blocks and block:
             # vLLM counts one reserved null block in num_gpu_blocks; it holds no KV.
             pool = (blocks - 1) * block

@@ -180,20 +180,19 @@ def test_an_answer_past_its_learned_length_is_reserved_ahead_of_it():
 def test_each_tick_an_answer_past_its_learned_length_is_reserved_at_what_longer_ones_reach():
     """Past its learned length, an answer is reserved at the quantile of those longer than it.
 
-    Of 40 answers of its kind, 36 ended at 40 tokens and 4 at 900-1,200: p95 is 40 at
-    admission, so a long one is admitted at 40. Each tick, one that ran past that is
-    reserved again at the p95 of the answers longer than what it has written; one
-    longer than every answer seen to end, at its ceiling.
+    Of 520 answers of its kind, 500 ended at 40 tokens and 20 at 900-1,280: p95 is 40
+    at admission, so a long one is admitted at 40. Each tick, one that ran past that
+    is reserved again at the p95 of the answers longer than what it has written; one
+    longer than all but a handful (fewer than 1 / (1 - p95) = 20), at its ceiling.
     """
     mitigations = Mitigations(pool_tokens=8000, block_size=16)
-    proxy = AdmissionProxy(
-        ProxySettings(upstream="http://127.0.0.1:9", reserve_min_samples=20), mitigations
+    settings = ProxySettings(
+        upstream="http://127.0.0.1:9", reserve_min_samples=20, reserve_window=1000
     )
+    proxy = AdmissionProxy(settings, mitigations)
     kind = ("m", "/v1/completions", "standard")
-    for tokens in [40] * 36 + [900, 1000, 1100, 1200]:
-        proxy.lengths.observe(kind, tokens, tokens + 100)
-    assert proxy.lengths.estimate(kind).tokens == 1000  # type: ignore[union-attr]
-    for tokens in [40] * 40:
+    long_ones = list(range(900, 1300, 20))
+    for tokens in [40] * 500 + long_ones:
         proxy.lengths.observe(kind, tokens, tokens + 100)
     assert proxy.lengths.estimate(kind).tokens == 40  # type: ignore[union-attr]
 
@@ -210,19 +209,19 @@ def test_each_tick_an_answer_past_its_learned_length_is_reserved_at_what_longer_
     # The tick's review; nothing is cancelled (the engine's count is not known here).
     assert proxy.review_reservations() == 0
     assert within.reserved_output == 40  # not past its reservation: unchanged
-    # Longer than 300: 900, 1,000, 1,100, 1,200 ended and one running at 1,300 (at
-    # least that long): p95 of those is past every end seen, so its ceiling.
-    assert past.reserved_output == 2000
+    # Longer than 300: the 20 long ones ended and the one running at 1,300. Kaplan-
+    # Meier over those 21: p95 is the last long one to end, 1,280.
+    assert past.reserved_output == 1280
+    assert past.reserved_from == "p95 output 1280 tokens of the answers of its kind longer than 300"
+    assert past.projected_tokens == 100 + 1280
+    # Past every answer seen to end: nothing to learn its end from, its ceiling.
     assert beyond_all.reserved_output == 2000
     assert "its ceiling" in beyond_all.reserved_from
     proxy.inflight.done(beyond_all)
-    # Without the one running past them all, the ended ones bound it: p95 of the
-    # answers longer than 300 (900-1,200) is 1,200.
     past.reserved_output = 40
     proxy.review_reservations()
-    assert past.reserved_output == 1200
-    assert past.reserved_from == "p95 output 1200 tokens of the answers of its kind longer than 300"
-    assert past.projected_tokens == 100 + 1200
+    # Without it: 20 ended and `past` itself at risk, p95 the 19th to end.
+    assert past.reserved_output == 1260
 
 
 async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_to):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from kvguard.config.model_files import BUNDLED_MODELS_DIR
+from kvguard.core.architecture import parse_model_config
+from kvguard.core.budget import Budget, BudgetInputs, compute_budget
 from kvguard.core.engine_rules import (
     CURRENT_VLLM,
+    V0_CHUNKED_FROM,
     batch_defaults,
     cuda_graph_bytes,
     non_torch_bytes,
@@ -167,3 +171,29 @@ def test_unbudgetable_speculation_is_refused_with_what_to_do(spec, says):
         speculative_layers(spec, _config("llama-3.1-8b"))
     assert err.value.field == "speculative_config"
     assert says in str(err.value)
+
+
+def test_v0_max_context_past_its_chunked_prefill_is_found():
+    """V0's batch shrinks past 32K: a context there can fit where 32K itself does not.
+
+    Llama-3.1-8B on 24 GiB: at 32,768 a step may hold the whole prompt and its
+    activation peak leaves the pool too small for one such sequence; past it, prefill
+    is chunked and a longer context fits. The max context is found past the break.
+    """
+    shape = parse_model_config(_config("llama-3.1-8b"))
+    inputs = BudgetInputs(
+        max_model_len=131_072, concurrency=1, gpu_memory_bytes=24 * GiB, engine_version="0.6"
+    )
+
+    def at(length: int) -> Budget:
+        return compute_budget(
+            shape, replace(inputs, max_model_len=length), weights_bytes=16 * GiB, weights_source="t"
+        )
+
+    longest = at(131_072).max_model_len_at_concurrency
+    assert longest > V0_CHUNKED_FROM
+    assert at(longest).worst_case_kv_bytes_per_gpu <= at(longest).kv_pool_bytes_per_gpu
+    assert (
+        at(V0_CHUNKED_FROM).worst_case_kv_bytes_per_gpu > at(V0_CHUNKED_FROM).kv_pool_bytes_per_gpu
+    )
+    assert at(longest + 16).worst_case_kv_bytes_per_gpu > at(longest + 16).kv_pool_bytes_per_gpu

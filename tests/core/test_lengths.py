@@ -174,3 +174,32 @@ def test_running_answers_never_lower_the_quantile(ended, running, q):
     assert censored_quantile(ended, [], q) == nearest
     with_running = censored_quantile(ended, running, q)
     assert with_running is None or with_running >= nearest
+
+
+def test_answers_cut_before_their_end_are_remembered_as_at_least_that_long():
+    """A long answer cancelled or abandoned is not forgotten: it would have been longer.
+
+    Without it, every long answer of a kind that gets cut drops out of what is learned,
+    reservations stay short, and more long ones are admitted short.
+    """
+    lengths = ObservedLengths(LengthTerms(quantile=0.95, min_samples=20, window=100))
+    for tokens in range(1, 21):
+        lengths.observe(CHAT, tokens, tokens + 10)
+    assert lengths.estimate(CHAT).tokens == 19  # type: ignore[union-attr]
+    lengths.observe_cut(CHAT, 0)  # cut before it wrote anything: tells nothing
+    assert lengths.estimate(CHAT).tokens == 19  # type: ignore[union-attr]
+    for _ in range(3):
+        lengths.observe_cut(CHAT, 500)
+    # 3 of 23 answers are longer than any that ended: no p95 yet.
+    assert lengths.estimate(CHAT) is None
+    # The broader kinds remember them too.
+    assert lengths.estimate(("llama", "/v1/chat/completions", "critical")) is None
+
+
+def test_the_quantile_beyond_a_length_needs_enough_answers_past_it():
+    """Fewer than 1 / (1 - q) answers longer than it: no quantile (the caller's ceiling)."""
+    ended = [10] * 100 + list(range(500, 520))  # twenty past 400
+    assert censored_quantile(ended, [], 0.95, beyond=400) == 518  # the 19th of 20
+    assert censored_quantile(ended, [], 0.95, beyond=505) is None  # fourteen past it
+    assert censored_quantile(ended, [600], 0.95, beyond=400) == 519  # one running counts
+    assert censored_quantile(ended, [], 1.0, beyond=400) is None

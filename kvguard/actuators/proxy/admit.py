@@ -349,17 +349,27 @@ class Admission:
         quantile: a few answers run past them, and when several long ones run at
         once they can fill the pool on their own — which an engine that allocates
         per sequence does not survive, and one that preempts pays for in recompute.
-        When the engine's count plus its growth since the last reading (assumed
-        again before the next) would pass the pool, the answers that ran past
-        their reservation go, lowest class first and within a class the newest
-        (the least work lost), never a critical one, until it would not.
+        When the engine's count plus its growth since the last good reading
+        (assumed again before the next) would pass the pool, and what is in flight,
+        each reserved at what it may still reach, does not fit it (else the growth
+        was prompts admitted into reserved room), the answers that ran past their
+        reservation go, lowest class first and within a class the newest (the least
+        work lost), never a critical one, until it would not. Only while admission
+        is enforced (not in dry-run).
         """
         used, pool = self.mitigations.engine_used_tokens, self.mitigations.pool_tokens
+        if used is None:
+            return []  # a failed read: the last good one stays the reference
         last, self._last_used = self._last_used, used
-        if used is None or pool is None or last is None or not self.mitigations.enforcing:
+        if pool is None or last is None or not self.admission_enforced():
             return []
         growth = max(used - last, 0)
         if used + growth <= pool:
+            return []
+        block = self.mitigations.block_size
+        if self._inflight.projected_tokens(block) <= pool:
+            # What is in flight, each reserved at what it may still reach, fits: the
+            # growth was prompts just admitted into reserved room, not answers outgrowing.
             return []
         requests = list(self._inflight)
         order = {id(r): i for i, r in enumerate(requests)}
@@ -372,9 +382,7 @@ class Admission:
             key=lambda r: (rank(r.priority), -order[id(r)]),
         )
         running = sum(1 for r in requests if r.generated > 0)
-        footprints = [
-            rules.whole_blocks(r.footprint_tokens, self.mitigations.block_size) for r in candidates
-        ]
+        footprints = [rules.whole_blocks(r.footprint_tokens, block) for r in candidates]
         return candidates[: rules.overrun_cancels(used, growth, pool, footprints, running)]
 
     def half_reserved(self) -> bool:

@@ -223,8 +223,9 @@ class Forwarder:
         """Remember how long a whole answer was, for the reservations of its kind.
 
         Only answers that ended with a 200 and a count (the answer's ``usage``, or the
-        stream's tokens), and whose length the client chose: a cut or failed answer, or
-        one kvguard's window cap clamped, says nothing about how long one is.
+        stream's tokens), and whose length the client chose: one kvguard's window cap
+        clamped says nothing about how long one is. A cut or failed answer that wrote
+        something says how long it was at least, which is remembered as such.
         """
         if tracked.kind is not None and tracked.prompt_exact and tracked.prompt_estimate:
             self._lengths.observe_prompt(
@@ -242,6 +243,8 @@ class Forwarder:
                 per_sequence,
                 tracked.prompt_tokens // max(tracked.sequences, 1) + per_sequence,
             )
+        elif not tracked.completed and not tracked.clamped and tracked.kind is not None:
+            self._lengths.observe_cut(tracked.kind, tracked.output_per_sequence)
 
     def _while_restarting(self) -> dict[str, str] | None:
         """``Retry-After`` while kvguard knows the engine is restarting, else nothing.
