@@ -14,6 +14,8 @@ import json
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
@@ -23,7 +25,7 @@ from kvguard.actuators.proxy.routes import (
     find_route,
     routes_for,
 )
-from kvguard.actuators.proxy.screen import _blocks, check_path, normal_path
+from kvguard.actuators.proxy.screen import _blocks, check_path, is_blocked, normal_path
 from kvguard.actuators.proxy.shapes import SHAPES, Generation, ShapeError, read_generation
 from kvguard.config.settings import ENGINE_ADMIN_PATHS
 from kvguard.core.admission import UNKNOWN_MAX_TOKENS, sequence_totals
@@ -1138,3 +1140,21 @@ def test_a_vllm_invocations_body_of_no_generation_format_is_not_admitted():
     """A vLLM engine tries its pooling requests after chat and completion: nothing to account."""
     assert read_generation("vllm_invocations", {"input": "x"}) is None
     assert read_generation("vllm_invocations", {"query": "x", "documents": ["y"]}) is None
+
+
+_SEGMENTS = st.sampled_from(["v1", "V1", "slots", "props", "x", "pause", "v1beta", ""])
+_PATHS = st.lists(_SEGMENTS, max_size=4).map(lambda parts: "/" + "/".join(parts))
+_ENTRIES = st.tuples(st.sampled_from(["", "GET ", "POST "]), _PATHS).map("".join)
+
+
+@given(
+    entries=st.lists(_ENTRIES, max_size=6).map(tuple),
+    method=st.sampled_from(["GET", "POST", "DELETE"]),
+    path=_PATHS,
+)
+def test_blocked_paths_are_found_by_prefix_as_by_testing_every_entry(entries, method, path):
+    """The per-request lookup by the path's own prefixes agrees with testing every entry."""
+    normal = normal_path(path)
+    assert is_blocked(method, normal, entries) == any(
+        _blocks(entry, method, normal) for entry in entries
+    )

@@ -25,8 +25,9 @@ import concurrent.futures
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import lru_cache
+from types import MappingProxyType
 from typing import TypeVar
 
 from aiohttp import web
@@ -139,10 +140,7 @@ def check_path(
     everything else is not forwarded (404).
     """
     normal = normal_path(path)
-    if any(
-        (not only or only == method) and _under_normal(normal, prefix)
-        for only, prefix in _parsed_blocks(settings.blocked_paths)
-    ):
+    if is_blocked(method, normal, settings.blocked_paths):
         return (
             403,
             "path_blocked",
@@ -212,6 +210,39 @@ def _parsed_blocks(entries: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
         only, _, prefix = entry.rpartition(" ")
         parsed.append((only, prefix.lower().rstrip("/")))
     return tuple(parsed)
+
+
+@lru_cache(maxsize=16)
+def _block_index(entries: tuple[str, ...]) -> Mapping[str, frozenset[str]]:
+    """``blocked_paths`` as prefix -> the methods it blocks ("" for every method)."""
+    index: dict[str, set[str]] = {}
+    for only, prefix in _parsed_blocks(entries):
+        index.setdefault(prefix, set()).add(only)
+    return MappingProxyType({prefix: frozenset(methods) for prefix, methods in index.items()})
+
+
+def is_blocked(method: str, normal: str, entries: tuple[str, ...]) -> bool:
+    """Whether a ``blocked_paths`` entry covers ``method`` on the normalised path ``normal``.
+
+    Looked up by the path's own segment prefixes (a handful) rather than testing
+    every entry (the default list is long, and every request asks).
+    """
+    index = _block_index(entries)
+    if not index:
+        return False
+
+    def hit(prefix: str) -> bool:
+        methods = index.get(prefix)
+        return methods is not None and ("" in methods or method in methods)
+
+    if hit("") or hit(normal):
+        return True
+    cut = normal.find("/", 1)
+    while cut != -1:
+        if hit(normal[:cut]):
+            return True
+        cut = normal.find("/", cut + 1)
+    return False
 
 
 def _under(path: str, prefix: str) -> bool:
