@@ -312,8 +312,10 @@ class Admission:
         Called every tick. Such an answer is longer than most of its kind, and the
         long ones are what a pool runs out on: it is reserved again at the
         ``reserve_quantile`` of the answers of its kind known to be longer than what
-        it has written (running ones counted), else, when none that long has ended,
-        at its ceiling. Between ticks its projection is twice what it has written.
+        it has written (running and cut ones counted), else — fewer than
+        ``1 / (1 - reserve_quantile)`` of them known, or the quantile past every one
+        that ended — at its ceiling. Between ticks its projection is twice what it
+        has written.
         """
         running: list[tuple[tuple[str, str, str], int]] | None = None
         reviewed = 0
@@ -334,7 +336,7 @@ class Admission:
             quantile = f"p{self.settings.reserve_quantile * 100:g}"
             tracked.reserved_from = (
                 f"{tracked.reserved_output // sequences} output tokens (its ceiling: at"
-                f" {written} it is longer than every answer of its kind seen to end)"
+                f" {written} it is longer than all but a few answers of its kind seen)"
                 if learned is None
                 else f"{quantile} output {learned.tokens} tokens of the answers of its kind"
                 f" longer than {written}"
