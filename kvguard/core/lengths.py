@@ -69,15 +69,17 @@ class LengthEstimate:
 class _Recent:
     """The last ``window`` values of one kind, with its quantile computed on demand."""
 
-    __slots__ = ("_quantile", "_sorted", "values")
+    __slots__ = ("_quantile", "_sorted", "added", "values")
 
     def __init__(self, window: int) -> None:
         self.values: deque[int] = deque(maxlen=window)
+        self.added = 0  # values ever added: the window holds the last len(values) of them
         self._quantile: tuple[float, int] | None = None  # (q, value), until the next add
         self._sorted: list[int] | None = None  # the values ascending, until the next add
 
     def add(self, value: int) -> None:
         self.values.append(value)
+        self.added += 1
         self._quantile = None
         self._sorted = None
 
@@ -107,8 +109,10 @@ class ObservedLengths:
         # Prompt + answer of recent requests, all kinds: what a typical request needs.
         self._sizes = _Recent(terms.window)
         # Answers cut before their end (the client went away, kvguard cancelled them, the
-        # engine failed), at the length they had: each would have been at least that long.
-        self._cut: OrderedDict[Kind, _Recent] = OrderedDict()
+        # engine failed), at the length they had: each would have been at least that
+        # long. Per kind, (how many answers of the kind had ended then, the length), so
+        # only those cut while the kept ended answers were seen count.
+        self._cut: OrderedDict[Kind, deque[tuple[int, int]]] = OrderedDict()
         # Per model: the engine's prompt count over the proxy's estimate (thousandths).
         self._prompt_ratios: OrderedDict[Kind, _Recent] = OrderedDict()
 
@@ -138,7 +142,15 @@ class ObservedLengths:
         if written < 1:
             return
         for key in _broader(kind):
-            self._recent(self._cut, key).add(written)
+            ended = self._kinds.get(key)
+            cuts = self._cut.get(key)
+            if cuts is None:
+                cuts = self._cut[key] = deque(maxlen=self.terms.window)
+                while len(self._cut) > self.terms.max_kinds:
+                    self._cut.popitem(last=False)
+            else:
+                self._cut.move_to_end(key)
+            cuts.append((ended.added if ended is not None else 0, written))
 
     def _recent(self, table: OrderedDict[Kind, _Recent], key: Kind) -> _Recent:
         """``table``'s values for ``key``, made most recently seen (the oldest kind forgotten)."""
@@ -171,9 +183,9 @@ class ObservedLengths:
                 continue
             q = self.terms.quantile
             censored = [g for k, g in running if g > 0 and _covers(key, k)]
-            cut = self._cut.get(key)
-            if cut is not None:
-                censored.extend(cut.values)
+            # Cut while the ended answers kept were seen: they age out together.
+            since = recent.added - len(recent.values)
+            censored.extend(w for at, w in self._cut.get(key, ()) if at >= since)
             if not censored and not beyond:
                 return LengthEstimate(recent.quantile(q), len(recent.values), key)
             censored.sort()

@@ -194,6 +194,10 @@ def test_answers_cut_before_their_end_are_remembered_as_at_least_that_long():
     assert lengths.estimate(CHAT) is None
     # The broader kinds remember them too.
     assert lengths.estimate(("llama", "/v1/chat/completions", "critical")) is None
+    # They age with the ended answers: once the window has turned over, they are gone.
+    for _ in range(100):
+        lengths.observe(CHAT, 30, 40)
+    assert lengths.estimate(CHAT).tokens == 30  # type: ignore[union-attr]
 
 
 def test_the_quantile_beyond_a_length_needs_enough_answers_past_it():
