@@ -247,9 +247,9 @@ def overrun_cancels(
     since its previous reading, which the next interval is assumed to repeat;
     ``footprints`` are the candidates' holdings in the order they would go and
     ``running`` the answers being written (each cancelled one takes its share of the
-    growth with it). None while the engine holds and adds less than the pool: an
-    engine that preempts would have to preempt, one that allocates per sequence
-    would crash. An unknown pool cancels nothing.
+    growth with it). 0 while what the engine holds and adds stays within the pool;
+    past it an engine that preempts would have to preempt, one that allocates per
+    sequence would crash. An unknown pool cancels nothing.
     """
     if pool is None:
         return 0

@@ -299,12 +299,12 @@ class Brain:
         if engine.kind == "vllm" and blocks and block:
             # vLLM counts one reserved null block in num_gpu_blocks; it holds no KV.
             pool = (blocks - 1) * block
-        elif engine.kv_capacity_tokens is not None or not (blocks and block):
+        elif engine.kv_capacity_tokens is not None:
             # SGLang's max_total_num_tokens, TensorRT-LLM's max blocks x tokens per
             # block, llama.cpp's and TGI's figures: what requests can hold, as is.
             pool = engine.kv_capacity_tokens
         else:
-            pool = blocks * block
+            pool = blocks * block if blocks and block else None
         self.mitigations.block_size = block or 16
         self.mitigations.pool_tokens = pool
         self.mitigations.engine_used_tokens = engine.kv_used_tokens

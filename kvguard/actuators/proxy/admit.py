@@ -306,8 +306,8 @@ class Admission:
             else f"{per_sequence} output tokens ({source})"
         )
 
-    def review_outrunners(self) -> int:
-        """Re-reserve each answer that ran past its learned length; how many were.
+    def review_outrunners(self) -> None:
+        """Re-reserve each answer that ran past its learned length.
 
         Called every tick. Such an answer is longer than most of its kind, and the
         long ones are what a pool runs out on: it is reserved again at the
@@ -318,7 +318,6 @@ class Admission:
         has written.
         """
         running: list[tuple[tuple[str, str, str], int]] | None = None
-        reviewed = 0
         for tracked in self._inflight:
             reserved, ceiling = tracked.reserved_output, tracked.output_ceiling
             if reserved is None or ceiling is None or tracked.kind is None:
@@ -341,8 +340,6 @@ class Admission:
                 else f"{quantile} output {learned.tokens} tokens of the answers of its kind"
                 f" longer than {written}"
             )
-            reviewed += 1
-        return reviewed
 
     def overrunning(self) -> list[InflightRequest]:
         """The answers past their reservation to cancel now, so the engine's pool lasts.
