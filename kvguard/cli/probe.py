@@ -14,6 +14,7 @@ from kvguard.config.settings import CONFIG_ENV, Config, config_for_engine, load_
 from kvguard.core.snapshot import ENGINE_KINDS, EngineStats
 from kvguard.core.units import format_bytes
 from kvguard.errors import InvalidInputError
+from kvguard.probes.engine import EngineProbe
 from kvguard.runtime.daemon import Daemon
 
 # What `kvguard probe --json` always reports about the engine, null when unknown.
@@ -103,6 +104,8 @@ def probe_document(daemon: Daemon) -> dict[str, Any]:
     if snapshot.engine is not None:
         engine.update(asdict(snapshot.engine))
     engine["url"] = daemon.config.engine.url
+    # The kind as the tick read it (or as configured).
+    engine["kv_layout"] = kv_layout(daemon) if engine["kind"] == "llamacpp" else None
     nvml = daemon.probes.nvml
     return {
         "engine": engine,
@@ -111,6 +114,28 @@ def probe_document(daemon: Daemon) -> dict[str, Any]:
         "host": asdict(snapshot.host) if snapshot.host else None,
         "sources": {name: asdict(r) for name, r in snapshot.sources.items()},
     }
+
+
+def kv_layout(daemon: Daemon) -> str:
+    """llama.cpp's cache layout as kvguard reads it: "unified", "split" or "split (assumed)".
+
+    Nothing llama-server reports says which; "assumed" is the reading when neither
+    ``[engine] kv_unified`` nor a supervised command says it.
+    """
+    probe = daemon.probes.engine
+    unified = probe.kv_unified if isinstance(probe, EngineProbe) else None
+    if unified is None:
+        return "split (assumed)"
+    return "unified" if unified else "split"
+
+
+# Said under the table when llama.cpp's layout is assumed: the default launch is the
+# other one, and then every capacity figure is several times too large.
+ASSUMED_LAYOUT_HINT = (
+    "  note: llama.cpp's cache layout is not declared; read as split (the slots' n_ctx"
+    " added). llama-server's default -np (auto) shares one cache across its slots:"
+    " then set [engine] kv_unified = true, or capacity reads about 4x too large."
+)
 
 
 def render_probe(doc: dict[str, Any]) -> str:
@@ -122,6 +147,10 @@ def render_probe(doc: dict[str, Any]) -> str:
         for key in PROBE_ENGINE_KEYS
         if key not in ("kind", "up")
     ]
+    if engine.get("kv_layout") is not None:
+        lines.append(f"  {'kv_layout':<26} {engine['kv_layout']}")
+        if engine["kv_layout"] == "split (assumed)":
+            lines.append(ASSUMED_LAYOUT_HINT)
     lines += [gpu_line(gpu) for gpu in doc["gpus"] or []]
     host = doc["host"]
     if host:

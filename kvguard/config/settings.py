@@ -227,7 +227,8 @@ class EngineConfig:
     kv_unified: bool | None = setting(
         None,
         boolean,
-        "llama.cpp: all slots share one cache (--kv-unified, and -np auto); unset: split",
+        "llama.cpp: all slots share one cache (--kv-unified, and -np auto);"
+        " unset: from the supervised command, else assumed split",
     )
 
 

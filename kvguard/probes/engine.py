@@ -128,6 +128,12 @@ class EngineProbe:
         return self._kind
 
     @property
+    def kv_unified(self) -> bool | None:
+        """llama.cpp's cache layout as kvguard reads it: declared or from the command, else None."""
+        adapter = self._adapters["llamacpp"]
+        return adapter.kv_unified if isinstance(adapter, LlamacppAdapter) else None
+
+    @property
     def actions(self) -> frozenset[EngineAction]:
         """Admin actions the engine offers; empty while its kind is unknown."""
         return ADAPTERS[self._kind].actions if self._kind is not None else frozenset()

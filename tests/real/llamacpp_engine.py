@@ -69,17 +69,22 @@ def installed() -> bool:
 SKIP_REASON = f"llama.cpp's llama-server is not installed in {LLAMACPP_HOME}: {INSTALL_HINT}"
 
 
-def server_command(port: int, slot_save_path: Path | None, *extra: str) -> list[str]:
+def server_command(
+    port: int, slot_save_path: Path | None, *extra: str, slots: int | None = SLOTS
+) -> list[str]:
     """llama-server's argv: the flags docs/engines.md records working here, plus ``extra``.
 
     ``slot_save_path`` None leaves ``--slot-save-path`` out (slot actions then get 501).
+    ``slots`` None leaves ``-np`` out: llama-server's default (auto), four slots
+    sharing one cache of ``-c`` tokens.
     """
     model = model_path()
     assert model is not None, SKIP_REASON
     return [
         str(SERVER_BIN),
         *("-m", str(model), "--host", "127.0.0.1", "--port", str(port)),
-        *("--metrics", "-c", str(CONTEXT_TOKENS), "-np", str(SLOTS), "-t", str(THREADS)),
+        *("--metrics", "-c", str(CONTEXT_TOKENS), "-t", str(THREADS)),
+        *(("-np", str(slots)) if slots is not None else ()),
         *(("--slot-save-path", str(slot_save_path)) if slot_save_path is not None else ()),
         *extra,
     ]
@@ -238,15 +243,18 @@ def stop_pid(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def running_server(tmp_path: Path, *extra: str, slot_actions: bool = True) -> Iterator[LlamaServer]:
+def running_server(
+    tmp_path: Path, *extra: str, slot_actions: bool = True, slots: int | None = SLOTS
+) -> Iterator[LlamaServer]:
     """Start llama-server, wait until healthy, and stop it by PID afterwards.
 
-    ``slot_actions`` False starts it without ``--slot-save-path``.
+    ``slot_actions`` False starts it without ``--slot-save-path``; ``slots`` None
+    with the default ``-np`` (see :func:`server_command`).
     """
     slot_dir = tmp_path / "slots"
     slot_dir.mkdir(exist_ok=True)
     port = free_port()
-    argv = server_command(port, slot_dir if slot_actions else None, *extra)
+    argv = server_command(port, slot_dir if slot_actions else None, *extra, slots=slots)
     log_path = tmp_path / f"llama-server-{port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(

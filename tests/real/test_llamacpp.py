@@ -50,11 +50,15 @@ from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.actuators.reconfigure import Reconfigurer, ReconfigureTimes, SupervisorRestarter
 from kvguard.actuators.supervisor import Supervisor
+from kvguard.cli.probe import probe_document
+from kvguard.config.settings import config_for_engine
 from kvguard.core.snapshot import EngineStats
 from kvguard.errors import KvguardError
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines import ADAPTERS, EngineScrape
 from kvguard.runtime.assembly import listen
+from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.probing import Probes
 from tests.helpers import free_port, until
 from tests.real.llamacpp_engine import (
     CONTEXT_TOKENS,
@@ -209,6 +213,85 @@ async def test_probe_under_load_matches_the_engines_own_slots_and_metrics(
         held,
         busy["kv_used_tokens"],
         counted,
+    )
+
+
+# ---------------------------------------------------------------------- layouts
+async def probe_with_config(config: Path) -> dict:
+    """``kvguard probe --json --config FILE``, parsed."""
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "kvguard.cli.main", "probe", "--json", "--config", str(config)),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, err.decode()
+    return json.loads(out)
+
+
+async def supervised_reading(server: LlamaServer) -> dict:
+    """One tick as ``kvguard run -- <server's command>`` reads it (nothing declared)."""
+    config = config_for_engine(server.url, "llamacpp")
+    daemon = Daemon(config, probes=Probes.from_config(config, server.argv, env={}))
+    try:
+        await daemon.tick()
+        return probe_document(daemon)["engine"]
+    finally:
+        await daemon.close()
+
+
+@pytest.mark.real_engine
+@requires_llamacpp
+@pytest.mark.parametrize("slots", [None, SLOTS], ids=["default-np", "np-4"])
+async def test_capacity_is_the_context_with_the_default_np_and_with_np_4(
+    tmp_path: Path, slots: int | None
+):
+    """-c 2048 with the default -np (auto: 4 slots, one shared cache) and with -np 4 (split).
+
+    Read from the supervised command or declared in the config, capacity is 2,048 in
+    both, and under load the tokens in use are what ``/slots`` says the busy slots
+    hold, of 2,048. Undeclared and unsupervised, the default launch reads as split
+    (4 x 2,048: every slot reports the whole cache) and the probe says it assumed so.
+    """
+    unified = slots is None
+    with running_server(tmp_path, slot_actions=False, slots=slots) as server:
+        config = tmp_path / "kvguard.toml"
+        config.write_text(
+            f'[engine]\nurl = "{server.url}"\nkind = "llamacpp"\n'
+            f"kv_unified = {'true' if unified else 'false'}\n"
+        )
+        async with client() as http:
+            idle = await server.read(http)
+            supervised = await supervised_reading(server)
+            undeclared = (await kvguard_probe(server.url))["engine"]
+            async with load(http, server.url, 2, BURST_TOKENS):
+
+                async def two_decoding() -> Reading | None:
+                    reading = await server.read(http)
+                    ok = len(reading.processing) == 2 and all(
+                        decoded(slot) >= BUSY_DECODED for slot in reading.processing
+                    )
+                    return reading if ok else None
+
+                before = await until(two_decoding, timeout_s=120, interval_s=0.1, what="2 decoding")
+                busy = (await probe_with_config(config))["engine"]
+                after = await server.read(http)
+
+    per_slot = CONTEXT_TOKENS if unified else N_CTX_PER_SLOT
+    assert [slot["n_ctx"] for slot in idle.slots] == [per_slot] * SLOTS
+    assert supervised["kv_capacity_tokens"] == CONTEXT_TOKENS
+    assert supervised["kv_layout"] == ("unified" if unified else "split")
+    assert undeclared["kv_layout"] == "split (assumed)"
+    assert undeclared["kv_capacity_tokens"] == per_slot * SLOTS  # 8,192 when unified
+    assert busy["kv_capacity_tokens"] == CONTEXT_TOKENS
+    assert busy["kv_layout"] == ("unified" if unified else "split")
+    assert busy["requests_running"] == 2
+    # As in the load test above: between the cells the slots hold and that plus decoded.
+    low = min(before.cached_in_processing, after.cached_in_processing)
+    high = max(before.prompt_plus_decoded, after.prompt_plus_decoded)
+    assert 0 < low <= busy["kv_used_tokens"] <= high, (low, busy["kv_used_tokens"], high)
+    assert busy["kv_cache_usage_ratio"] == pytest.approx(
+        busy["kv_used_tokens"] / CONTEXT_TOKENS, abs=1e-3
     )
 
 
