@@ -18,7 +18,7 @@ from kvguard.api.telemetry import (
 )
 from kvguard.config.settings import parse_config
 from kvguard.core.forecast import Forecast, ResourceForecast
-from kvguard.core.snapshot import EngineStats, GpuMemory, HostStats
+from kvguard.core.snapshot import EngineShare, EngineStats, GpuMemory, HostStats
 from kvguard.core.units import GiB
 from kvguard.errors import KvguardError, ProbeError
 from kvguard.runtime.daemon import Daemon
@@ -160,6 +160,15 @@ async def test_only_vllm_pools_lose_a_null_block():
     daemon, _, _ = make(engine=trtllm)
     await daemon.tick()
     assert daemon.mitigations.pool_tokens == 100 * 32
+
+
+async def test_each_data_parallel_vllm_engine_has_its_own_null_block():
+    """Two vLLM engines of 121 blocks each: 2 x 120 usable blocks, not 241."""
+    shares = tuple(EngineShare(index=i, kv_capacity_blocks=121) for i in range(2))
+    dp2 = engine_stats(kv_capacity_blocks=242, block_size=16, engines=shares)
+    daemon, _, _ = make(engine=dp2)
+    await daemon.tick()
+    assert daemon.mitigations.pool_tokens == 240 * 16
 
 
 async def test_a_hung_probe_does_not_stall_the_tick():

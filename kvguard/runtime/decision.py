@@ -298,7 +298,8 @@ class Brain:
         pool: int | None
         if engine.kind == "vllm" and blocks and block:
             # vLLM counts one reserved null block in num_gpu_blocks; it holds no KV.
-            pool = (blocks - 1) * block
+            # Data-parallel engines each have their own (their blocks are added up).
+            pool = max(blocks - max(len(engine.engines), 1), 0) * block
         elif engine.kv_capacity_tokens is not None:
             # SGLang's max_total_num_tokens, TensorRT-LLM's max blocks x tokens per
             # block, llama.cpp's and TGI's figures: what requests can hold, as is.
