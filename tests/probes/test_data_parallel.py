@@ -141,8 +141,8 @@ def test_other_engines_report_no_shares(kind):
     """Only vLLM has per-engine figures here; the others leave the list empty."""
     fixture = {
         "sglang": "sglang_sim_busy.txt",
-        "tgi": "tgi_written.txt",
-        "trtllm": "trtllm_triton_readme.txt",
+        "tgi": "tgi-3.3.7.txt",
+        "trtllm": "trtllm-triton-0.19.0.txt",
     }[kind]
     text = (FIXTURES / "engines" / fixture).read_text()
     assert ADAPTERS[kind].parse(EngineScrape(text)).engines == ()

