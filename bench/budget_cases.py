@@ -38,6 +38,7 @@ BEGIN, END = "<!-- budget-cases:begin -->", "<!-- budget-cases:end -->"
 VERSION_OF_SOURCE = {
     "llmd-bench-": ("0.11", "llm-d-benchmark's table: a recent V1 engine, one row says 0.11.0"),
     "vllm-10517-": ("0.6", "vLLM issue 10517 (Nov 2024): the V0 engine of 0.6.4"),
+    "oci-aqua-": ("0.7", "OCI AI Quick Actions guide (Mar 2025): the V0 engine of 0.7.1"),
     "vllm-pr17122-": ("0.8", "vLLM PR 17122 (Apr 2025): the V1 engine of 0.8"),
     "vllm-pr10511-": ("0.6", "vLLM PR 10511 (Nov 2024): the V0 engine of 0.6.4"),
 }

@@ -40,10 +40,18 @@ def test_the_pool_is_within_five_percent_on_four_cases_in_five():
     assert len(hits) / len(COMPARED) >= 0.8, [r["id"] for r in COMPARED if not r["within_target"]]
 
 
+def test_the_compared_cases_span_four_gpu_types():
+    """The comparison is not one GPU's: at least four GPU types among the compared cases."""
+    assert len({r["gpu"] for r in COMPARED}) >= 4, sorted({r["gpu"] for r in COMPARED})
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="vLLM PR 17122's L40S start-up (a V1 build of April 2025) holds 22% fewer tokens"
-    " than predicted: which default max_num_seqs that build used is unknown",
+    " than predicted: which default max_num_seqs that build used is unknown; and OCI AI Quick"
+    " Actions' A10 start-up (V0, 131,072-token context) logged a larger pool than predicted:"
+    " kvguard's V0 activation and non-torch figures exceed what that chunked-prefill profile"
+    " printed",
 )
 def test_no_case_is_beyond_fifteen_percent():
     """Never off by more than max(15%, 0.5 GiB)."""
