@@ -106,6 +106,8 @@ def probe_document(daemon: Daemon) -> dict[str, Any]:
     engine["url"] = daemon.config.engine.url
     # The kind as the tick read it (or as configured).
     engine["kv_layout"] = kv_layout(daemon) if engine["kind"] == "llamacpp" else None
+    probe = daemon.probes.engine
+    engine["server"] = probe.server if isinstance(probe, EngineProbe) else None
     nvml = daemon.probes.nvml
     return {
         "engine": engine,
@@ -141,7 +143,10 @@ ASSUMED_LAYOUT_HINT = (
 def render_probe(doc: dict[str, Any]) -> str:
     """The probe document as a short table."""
     engine = doc["engine"]
-    lines = [f"Engine   {engine['url']}  kind {engine['kind'] or 'unknown'}  up {engine['up']}"]
+    kind = engine["kind"] or "unknown"
+    if engine.get("server"):
+        kind += f" ({engine['server']})"
+    lines = [f"Engine   {engine['url']}  kind {kind}  up {engine['up']}"]
     lines += [
         f"  {key:<26} {fmt_value(engine[key])}"
         for key in PROBE_ENGINE_KEYS

@@ -203,6 +203,10 @@ def _key_count(keys: Mapping[str, str]) -> str:
     return f"{len(keys)} keys"
 
 
+# [engine]'s own ``url`` field shadows the validator inside its class body.
+_other_url = url
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """``[engine]``: the inference server kvguard watches."""
@@ -213,6 +217,12 @@ class EngineConfig:
         metadata=about(choice(("auto", *ENGINE_KINDS)), "the engine's kind (auto: found out)"),
     )
     metrics_path: str = setting("/metrics", path_in_url, "where the engine's metrics are")
+    metrics_url: str | None = setting(
+        None, _other_url, "the metrics' base URL, if not url (Triton: its metrics port, 8002)"
+    )
+    health_url: str | None = setting(
+        None, _other_url, "the health endpoint's base URL, if not url (Triton: its HTTP port)"
+    )
     token_file: str | None = setting(None, text, "the admin token's file (else $" + TOKEN_ENV + ")")
     token: Secret | None = field(
         default=None, compare=False, metadata=about(None, "the admin token, from token_file")

@@ -57,6 +57,11 @@ class _SharedScrape:
     waiters: int = 0
 
 
+# Triton Inference Server's default ports (tritonserver --http-port, --metrics-port).
+TRITON_HTTP_PORT = 8000
+TRITON_METRICS_PORT = 8002
+
+
 class EngineProbe:
     """Reads one engine's metrics (and llama.cpp's slots) into :class:`EngineStats`.
 
@@ -85,10 +90,16 @@ class EngineProbe:
         session: aiohttp.ClientSession | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         kv_unified: bool | None = None,
+        metrics_url: str | None = None,
+        health_url: str | None = None,
     ) -> None:
         base = URL(url)
         if base.scheme not in ("http", "https") or not base.host:
             raise InvalidInputError("engine url", url, "must be an http:// or https:// URL")
+        for name, other in (("metrics_url", metrics_url), ("health_url", health_url)):
+            parts = URL(other) if other is not None else None
+            if parts is not None and (parts.scheme not in ("http", "https") or not parts.host):
+                raise InvalidInputError(name, other, "must be an http:// or https:// URL")
         if kind != "auto" and kind not in ADAPTERS:
             raise InvalidInputError("engine kind", kind, f"must be auto or one of {_kinds()}")
         if not metrics_path.startswith("/"):
@@ -96,6 +107,17 @@ class EngineProbe:
         if timeout_s <= 0:
             raise InvalidInputError("timeout_s", timeout_s, "must be > 0")
         self._base = str(base).rstrip("/")
+        # Triton serves its metrics and its health on different ports ([engine]
+        # metrics_url, health_url); every other engine serves both beside its API.
+        self._metrics_base = metrics_url.rstrip("/") if metrics_url else self._base
+        self._health_base = health_url.rstrip("/") if health_url else self._base
+        if kind == "trtllm":
+            # Triton's default ports: HTTP (health, inference) 8000, metrics 8002. A
+            # TensorRT-LLM url on one of them finds the other beside it, unless set.
+            if metrics_url is None and base.port == TRITON_HTTP_PORT:
+                self._metrics_base = str(base.with_port(TRITON_METRICS_PORT)).rstrip("/")
+            if health_url is None and base.port == TRITON_METRICS_PORT:
+                self._health_base = str(base.with_port(TRITON_HTTP_PORT)).rstrip("/")
         self._kind: EngineKind | None = None if kind == "auto" else kind
         self._metrics_path = metrics_path
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -126,6 +148,17 @@ class EngineProbe:
     def kind(self) -> EngineKind | None:
         """The engine's kind: as configured, or as detected (None until then)."""
         return self._kind
+
+    @property
+    def server(self) -> str | None:
+        """Which TensorRT-LLM server answered: "triton" or "trtllm-serve" (None otherwise).
+
+        Told by the health path its metrics body called for (Triton's exposition text,
+        or trtllm-serve's JSON iteration stats).
+        """
+        if self._kind != "trtllm" or self._health_path is None:
+            return None
+        return "triton" if self._health_path.startswith("/v2/") else "trtllm-serve"
 
     @property
     def kv_unified(self) -> bool | None:
@@ -185,7 +218,7 @@ class EngineProbe:
                 prefixes = ", ".join(prefix for _, prefix in KIND_PREFIXES)
                 raise ProbeError(
                     PROBE_NAME,
-                    f"no known engine metrics at {self._url(self._metrics_path)}"
+                    f"no known engine metrics at {self._metrics_base}{self._metrics_path}"
                     f" (looked for names starting {prefixes}); set the engine kind",
                 )
             self._kind = kind
@@ -259,14 +292,14 @@ class EngineProbe:
             self._owns_session = True
         return self._session
 
-    def _url(self, path: str) -> str:
-        return self._base + path
-
     async def _get(
-        self, session: aiohttp.ClientSession, path: str, accept: str
+        self, session: aiohttp.ClientSession, path: str, accept: str, base: str | None = None
     ) -> tuple[int, bytes]:
-        """Status and body of ``GET path``; raises :class:`_UnavailableError`."""
-        url = self._url(path)
+        """Status and body of ``GET path`` (at ``base``, default the engine's url).
+
+        Raises :class:`_UnavailableError`.
+        """
+        url = (base or self._base) + path
         try:
             async with session.get(
                 url,
@@ -296,11 +329,13 @@ class EngineProbe:
 
     async def _metrics(self, session: aiohttp.ClientSession) -> str:
         try:
-            status, body = await self._get(session, self._metrics_path, _ACCEPT_METRICS)
+            status, body = await self._get(
+                session, self._metrics_path, _ACCEPT_METRICS, self._metrics_base
+            )
         except _UnavailableError as exc:
             raise ProbeError(PROBE_NAME, str(exc)) from exc
         if status != 200:
-            url = self._url(self._metrics_path)
+            url = self._metrics_base + self._metrics_path
             raise ProbeError(PROBE_NAME, f"{url}: HTTP {status}")
         return body.decode("utf-8", errors="replace")
 
@@ -329,7 +364,7 @@ class EngineProbe:
 
     async def _healthy(self, session: aiohttp.ClientSession, path: str) -> bool:
         try:
-            status, _ = await self._get(session, path, "*/*")
+            status, _ = await self._get(session, path, "*/*", self._health_base)
         except _UnavailableError:
             return False
         # _get reads bodies of 200 only; any 2xx is healthy.

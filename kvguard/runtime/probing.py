@@ -90,6 +90,8 @@ class Probes:
                 engine.url,
                 kind=engine.kind,
                 metrics_path=engine.metrics_path,
+                metrics_url=engine.metrics_url,
+                health_url=engine.health_url,
                 token=token,
                 timeout_s=config.poll.timeout_s,
                 kv_unified=kv_unified,
