@@ -40,19 +40,31 @@ from kvguard.probes.engines.base import (
 CAPACITY = "sglang:max_total_num_tokens"
 PAGE_SIZE = "sglang:page_size"
 USAGE = "sglang:token_usage"
+# token_usage is the larger of these two, rounded to 2 decimals (SGLang 0.5.23,
+# pool_stats_observer.py): read unrounded where the release writes them.
+FULL_USAGE = "sglang:full_token_usage"
+SWA_USAGE = "sglang:swa_token_usage"
 USED = "sglang:num_used_tokens"
 RUNNING = "sglang:num_running_reqs"
 QUEUED = "sglang:num_queue_reqs"
+ROUNDING = 0.005 + 1e-9  # half of token_usage's last decimal, and float slack
 RETRACTED = "sglang:num_retracted_requests_total"
+# The retraction counter is labelled, so prometheus_client writes it only after the
+# first retraction; this gauge (every release that has the counter) is there from the
+# start, so its presence says "none yet" rather than "unknown".
+RETRACTED_NOW = "sglang:num_retracted_reqs"
 READS = frozenset(
     {
         CAPACITY,
         PAGE_SIZE,
         USAGE,
+        FULL_USAGE,
+        SWA_USAGE,
         USED,
         RUNNING,
         QUEUED,
         RETRACTED,
+        RETRACTED_NOW,
         "sglang:prompt_tokens_total",
         "sglang:generation_tokens_total",
         "sglang:num_requests_total",
@@ -79,10 +91,12 @@ class SglangAdapter:
         # one every rank can hold; for use, the fullest rank is the safe reading.
         capacity = _per_pool(samples, CAPACITY, min)
         used = _per_pool(samples, USED, max)
-        usage = _per_pool(samples, USAGE, max, ratio=True)
+        usage = _usage(samples)
         running = _per_pool(samples, RUNNING, max)
         queued = _per_pool(samples, QUEUED, max)
         retracted = _per_pool(samples, RETRACTED, max)
+        for pool in _per_pool(samples, RETRACTED_NOW, max):
+            retracted.setdefault(pool, 0.0)  # the counter comes with the first retraction
         page_size = as_int(samples.highest(PAGE_SIZE))
         capacity_tokens = as_int(_sum(capacity))
         return EngineStats(
@@ -117,6 +131,21 @@ class SglangAdapter:
 def _pool_of(labels: Labels) -> str:
     # Without data parallelism there is no dp_rank label: one pool, "".
     return labels.get("dp_rank", "")
+
+
+def _usage(samples: Samples) -> PerPool:
+    """Each pool's usage: unrounded full/SWA usage where written, else ``token_usage``."""
+    rounded = _per_pool(samples, USAGE, max, ratio=True)
+    full = _per_pool(samples, FULL_USAGE, max, ratio=True)
+    swa = _per_pool(samples, SWA_USAGE, max, ratio=True)
+    usage = dict(rounded)
+    for pool, value in full.items():
+        exact = max(value, swa.get(pool, 0.0))
+        # token_usage is this figure rounded to 2 decimals; where it is not (another
+        # release's meaning), SGLang's own figure stays.
+        if pool not in rounded or abs(exact - rounded[pool]) <= ROUNDING:
+            usage[pool] = exact
+    return usage
 
 
 def _is_priority_breakdown(labels: Labels) -> bool:
