@@ -92,8 +92,13 @@ BUSY_DECODED = 16  # well into decoding, far from the end
 
 async def kvguard_probe(url: str) -> dict:
     """``kvguard probe --json --engine-url url`` (kind auto-detected), parsed."""
+    return await probe_json("--engine-url", url)
+
+
+async def probe_json(*args: str) -> dict:
+    """``kvguard probe --json ARGS``, parsed; it must exit 0."""
     process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "kvguard.cli.main", "probe", "--json", "--engine-url", url),
+        *(sys.executable, "-m", "kvguard.cli.main", "probe", "--json", *args),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -217,18 +222,6 @@ async def test_probe_under_load_matches_the_engines_own_slots_and_metrics(
 
 
 # ---------------------------------------------------------------------- layouts
-async def probe_with_config(config: Path) -> dict:
-    """``kvguard probe --json --config FILE``, parsed."""
-    process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "kvguard.cli.main", "probe", "--json", "--config", str(config)),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), 60)
-    assert process.returncode == 0, err.decode()
-    return json.loads(out)
-
-
 async def supervised_reading(server: LlamaServer) -> dict:
     """One tick as ``kvguard run -- <server's command>`` reads it (nothing declared)."""
     config = config_for_engine(server.url, "llamacpp")
@@ -274,7 +267,7 @@ async def test_capacity_is_the_context_with_the_default_np_and_with_np_4(
                     return reading if ok else None
 
                 before = await until(two_decoding, timeout_s=120, interval_s=0.1, what="2 decoding")
-                busy = (await probe_with_config(config))["engine"]
+                busy = (await probe_json("--config", str(config)))["engine"]
                 after = await server.read(http)
 
     per_slot = CONTEXT_TOKENS if unified else N_CTX_PER_SLOT
