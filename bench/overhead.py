@@ -68,10 +68,11 @@ class Plan:
     scrape_ticks: int
     reaction_trials: int
     reaction_default_trials: int
+    compare_loops: bool  # also kvguard on asyncio's loop, when uvloop is installed
 
 
-FULL = Plan(60.0, 3.0, 3, 4.0, 2.5, 0.5, True, 300, 5, 2)
-QUICK = Plan(4.0, 0.5, 1, 0.75, 0.5, 0.2, False, 30, 2, 1)
+FULL = Plan(60.0, 3.0, 3, 4.0, 2.5, 0.5, True, 300, 5, 2, True)
+QUICK = Plan(4.0, 0.5, 1, 0.75, 0.5, 0.2, False, 30, 2, 1, False)
 
 
 # ------------------------------------------------------------------ targets
@@ -241,6 +242,7 @@ def run(*, quick: bool, out: Path) -> dict[str, Any]:
                 closed_s=plan.closed_s,
                 warmup_s=plan.client_warmup_s,
                 cached_prompt=plan.cached_prompt,
+                compare_loops=plan.compare_loops,
             ),
         )
         _phase(result, "scrape", lambda: _scrape(tmp, plan.scrape_ticks))

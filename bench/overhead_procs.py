@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import re
 import shutil
@@ -65,11 +66,19 @@ class Proc:
         return self.popen.returncode
 
 
-def spawn(name: str, argv: list[str], log: Path) -> Proc:
-    """Start ``argv`` in the repository root, stdout and stderr to ``log``."""
+def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
+    """Start ``argv`` in the repository root, stdout and stderr to ``log``.
+
+    ``env``: variables set on top of this process's environment.
+    """
     with log.open("wb") as out:
         popen = subprocess.Popen(  # noqa: S603 - our own programs, argv without a shell
-            argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            argv,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env} if env else None,
         )
     return Proc(name, popen, log)
 
@@ -143,9 +152,18 @@ class KvguardRun:
 
 
 def spawn_kvguard(
-    tmp: Path, name: str, engine_url: str, *, interval_s: float, proxy: bool
+    tmp: Path,
+    name: str,
+    engine_url: str,
+    *,
+    interval_s: float,
+    proxy: bool,
+    env: dict[str, str] | None = None,
 ) -> KvguardRun:
-    """Start ``kvguard run --config F`` watching ``engine_url`` (see :func:`wait_kvguard`)."""
+    """Start ``kvguard run --config F`` watching ``engine_url`` (see :func:`wait_kvguard`).
+
+    ``env``: on top of this environment (``KVGUARD_EVENT_LOOP``: the loop it runs on).
+    """
     api = f"127.0.0.1:{free_port()}"
     lines = [
         f'[engine]\nurl = "{engine_url}"\n',
@@ -160,7 +178,7 @@ def spawn_kvguard(
         lines.append(f'[proxy]\nenabled = true\nlisten = "{proxy_address}"\n')
     config = tmp / f"{name}.toml"
     config.write_text("".join(lines))
-    proc = spawn(name, [KVGUARD, "run", "--config", str(config)], tmp / f"{name}.log")
+    proc = spawn(name, [KVGUARD, "run", "--config", str(config)], tmp / f"{name}.log", env)
     proc.url = f"http://{api}"
     return KvguardRun(proc, proc.url, f"http://{proxy_address}" if proxy_address else None)
 
@@ -173,10 +191,31 @@ def wait_kvguard(run: KvguardRun) -> KvguardRun:
 
 
 def start_kvguard(
-    tmp: Path, name: str, engine_url: str, *, interval_s: float, proxy: bool
+    tmp: Path,
+    name: str,
+    engine_url: str,
+    *,
+    interval_s: float,
+    proxy: bool,
+    env: dict[str, str] | None = None,
 ) -> KvguardRun:
     """``kvguard run --config F`` watching ``engine_url``; returns once its loop ticks."""
-    return wait_kvguard(spawn_kvguard(tmp, name, engine_url, interval_s=interval_s, proxy=proxy))
+    return wait_kvguard(
+        spawn_kvguard(tmp, name, engine_url, interval_s=interval_s, proxy=proxy, env=env)
+    )
+
+
+def event_loop_of(run: KvguardRun) -> str | None:
+    """The event loop a started ``kvguard run`` reports (its ``started`` event)."""
+    for line in run.proc.tail(1 << 20).splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "started":
+            loop = event.get("event_loop")
+            return str(loop) if loop is not None else None
+    return None
 
 
 NGINX_CONF = """\

@@ -35,8 +35,10 @@ from bench.overhead_procs import (
     PYTHON,
     ROOT,
     BenchProcessError,
+    KvguardRun,
     Meter,
     Proc,
+    event_loop_of,
     start_kvguard,
     start_nginx,
     start_stub,
@@ -46,7 +48,7 @@ from bench.overhead_procs import (
 RATE = 200.0
 CONCURRENCY = 32
 KINDS = ("json", "stream")
-TARGETS = ("direct", "kvguard", "nginx", "kvguard_cached_prompt")
+TARGETS = ("direct", "kvguard", "nginx", "kvguard_cached_prompt", "kvguard_asyncio")
 
 
 def _percentile(values: list[float], share: float) -> float | None:
@@ -114,7 +116,7 @@ def summarize(rounds: list[dict[str, Any]], targets: list[str]) -> dict[str, Any
             a, b = mine["throughput_rps"], direct["throughput_rps"]
             mine["throughput_vs_direct"] = _round(a / b) if a and b else None
         if "nginx" in per:
-            for target in ("kvguard", "kvguard_cached_prompt"):
+            for target in ("kvguard", "kvguard_cached_prompt", "kvguard_asyncio"):
                 if target not in per:
                     continue
                 a, b = per[target]["throughput_rps"], per["nginx"]["throughput_rps"]
@@ -131,22 +133,29 @@ def measure_proxy(
     closed_s: float,
     warmup_s: float,
     cached_prompt: bool = True,
+    compare_loops: bool = True,
 ) -> dict[str, Any]:
     """Every target, ``rounds`` times, with the CPU each proxy used per request.
 
-    ``cached_prompt``: also the ``kvguard_cached_prompt`` diagnostic.
+    ``cached_prompt``: also the ``kvguard_cached_prompt`` diagnostic. ``compare_loops``:
+    when kvguard runs on uvloop, also the same kvguard on asyncio's loop.
     """
     procs: list[Proc] = []
     nginx_skipped = None
     try:
         stub = start_stub(tmp)
         procs.append(stub)
-        kvguard = start_kvguard(tmp, "kvguard-proxy", stub.url, interval_s=0.5, proxy=True)
-        procs.append(kvguard.proc)
+        kvguard = _start_proxy(tmp, "kvguard-proxy", stub.url, procs)
         assert kvguard.proxy is not None  # noqa: S101 - started with proxy=True
-        wait_http(kvguard.proc, f"{kvguard.proxy}/v1/models")
         urls = {"direct": stub.url, "kvguard": kvguard.proxy}
         meters = {"kvguard": Meter(kvguard.proc)}
+        loops = {"kvguard": event_loop_of(kvguard)}
+        if compare_loops and loops["kvguard"] == "uvloop":
+            # The same kvguard on asyncio's own loop: what uvloop (the `fast` extra) buys.
+            plain = _start_proxy(tmp, "kvguard-proxy-asyncio", stub.url, procs, "asyncio")
+            urls["kvguard_asyncio"] = plain.proxy or ""
+            meters["kvguard_asyncio"] = Meter(plain.proc)
+            loops["kvguard_asyncio"] = event_loop_of(plain)
         try:
             nginx = start_nginx(tmp, stub.url)
             procs.append(nginx)
@@ -202,6 +211,7 @@ def measure_proxy(
             "closed_s": closed_s,
             "warmup_s": warmup_s,
             "targets": targets,
+            "event_loops": loops,
             "nginx_skipped": nginx_skipped,
             "nginx_workers": 1,
             "tokenize_per_request": "streams without include_usage",
@@ -212,6 +222,20 @@ def measure_proxy(
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def _start_proxy(
+    tmp: Path, name: str, upstream: str, procs: list[Proc], loop: str | None = None
+) -> KvguardRun:
+    """``kvguard run`` with its proxy in front of ``upstream``, ready (added to ``procs``).
+
+    ``loop``: its ``KVGUARD_EVENT_LOOP`` (None: as installed, uvloop when it is).
+    """
+    env = {"KVGUARD_EVENT_LOOP": loop} if loop is not None else None
+    run = start_kvguard(tmp, name, upstream, interval_s=0.5, proxy=True, env=env)
+    procs.append(run.proc)
+    wait_http(run.proc, f"{run.proxy}/v1/models")
+    return run
 
 
 def _slim(one: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ PATH_NAMES = {
     "kvguard": "through kvguard",
     "nginx": "through nginx",
     "kvguard_cached_prompt": "through kvguard, prompt cached (diagnostic)",
+    "kvguard_asyncio": "through kvguard on asyncio's loop (without uvloop)",
 }
 
 
@@ -130,6 +131,18 @@ def _proxy(result: dict[str, Any]) -> list[str]:
     skipped = (
         [f"nginx was skipped: {proxy['nginx_skipped']}.", ""] if proxy.get("nginx_skipped") else []
     )
+    loops = proxy.get("event_loops") or {}
+    if loops:
+        skipped += [
+            "Event loop: "
+            + ", ".join(f"{PATH_NAMES.get(t, t)} on {loop}" for t, loop in loops.items())
+            + (
+                " (`KVGUARD_EVENT_LOOP=asyncio`; uvloop comes with the `fast` extra)."
+                if "kvguard_asyncio" in loops
+                else " (uvloop, the `fast` extra, was not installed)."
+            ),
+            "",
+        ]
     return [
         "### Proxy cost",
         "",

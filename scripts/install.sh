@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set kvguard up on a fresh machine: a virtual environment in .venv holding kvguard
-# (editable), its runtime dependencies, and the test and lint tools. Safe to re-run.
+# (editable), its runtime dependencies, uvloop (the `fast` extra), and the test and lint tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,5 +15,5 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,dev]'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,dev,fast]'
 echo "install.sh: kvguard $(.venv/bin/kvguard --version | cut -d' ' -f2) is in .venv (run .venv/bin/kvguard --help)"

@@ -581,8 +581,13 @@ async def test_engine_and_nvml_faults_leave_the_loop_ticking(bad_engine):
         await daemon.close()
 
 
-async def test_run_serves_the_proxy_when_enabled(sim_engine, tmp_path):
-    """`kvguard run` with [proxy] enabled forwards to the engine and accounts the requests."""
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+async def test_run_serves_the_proxy_when_enabled(sim_engine, tmp_path, loop):
+    """`kvguard run` with [proxy] enabled forwards to the engine and accounts the requests.
+
+    On either event loop (KVGUARD_EVENT_LOOP; uvloop from the ``fast`` extra, which
+    the test install includes), and the ``started`` event says which one runs.
+    """
     engine_url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
     api_port, proxy_port = free_port(), free_port()
     path = tmp_path / "kvguard.toml"
@@ -591,10 +596,16 @@ async def test_run_serves_the_proxy_when_enabled(sim_engine, tmp_path):
         f'[proxy]\nenabled = true\nlisten = "127.0.0.1:{proxy_port}"\n[log]\nformat = "json"\n'
     )
     proc = await asyncio.create_subprocess_exec(
-        KVGUARD, "run", "--config", str(path), stderr=asyncio.subprocess.PIPE
+        KVGUARD,
+        "run",
+        "--config",
+        str(path),
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "KVGUARD_EVENT_LOOP": loop},
     )
     try:
         started = (await read_events(proc, until="started"))[-1]
+        assert started["event_loop"] == loop
         assert started["proxy"] == f"127.0.0.1:{proxy_port}"
         body = {"prompt": "word " * 20, "max_tokens": 5}
         async with aiohttp.ClientSession() as http:

@@ -15,6 +15,8 @@ from kvguard.core.snapshot import Snapshot
 from kvguard.errors import ConfigError, KvguardError
 from kvguard.runtime.assembly import build_guard
 from kvguard.runtime.daemon import Daemon
+from kvguard.runtime.event_loop import choose_loop
+from kvguard.runtime.event_loop import run as run_on_loop
 from kvguard.runtime.systemd import SystemdNotifier
 
 log = structlog.get_logger("kvguard.run")
@@ -57,14 +59,17 @@ def run_daemon(args: argparse.Namespace) -> int:
     command = list(args.engine_command or ())
     if command[:1] == ["--"]:
         command = command[1:]
-    return asyncio.run(
+    loop = choose_loop()
+    return run_on_loop(
         serve(
             config,
             config_path=config.source,
             dry_run=args.dry_run,
             engine_command=command or None,
             strict_secrets=args.strict_secrets,
-        )
+            event_loop=loop,
+        ),
+        loop,
     )
 
 
@@ -88,12 +93,13 @@ async def serve(
     dry_run: bool = False,
     engine_command: list[str] | None = None,
     strict_secrets: bool = False,
+    event_loop: str = "asyncio",
 ) -> int:
     """The guard (:func:`~kvguard.runtime.assembly.build_guard`), until SIGTERM/SIGINT.
 
     SIGHUP reloads ``config_path`` (with ``strict_secrets``, refusing a new config
     whose secret files others may read); SIGTERM/SIGINT stop everything, the engine
-    last.
+    last. ``event_loop``: the loop this runs on, as the ``started`` event reports it.
     """
     notifier = SystemdNotifier.from_environment()
     guard = build_guard(config, dry_run=dry_run, engine_command=engine_command)
@@ -129,6 +135,7 @@ async def serve(
                 proxy=config.proxy.listen if config.proxy.enabled else None,
                 engine=config.engine.url,
                 dry_run=daemon.dry_run,
+                event_loop=event_loop,
             )
         notifier.watchdog()
 
