@@ -9,7 +9,7 @@ PATH_NAMES = {
     "kvguard": "through kvguard",
     "nginx": "through nginx",
     "kvguard_cached_prompt": "through kvguard, prompt cached (diagnostic)",
-    "kvguard_asyncio": "through kvguard on asyncio's loop (without uvloop)",
+    "kvguard_asyncio": "through kvguard on asyncio's loop",
 }
 
 
@@ -134,12 +134,11 @@ def _proxy(result: dict[str, Any]) -> list[str]:
     loops = proxy.get("event_loops") or {}
     if loops:
         skipped += [
-            "Event loop: "
-            + ", ".join(f"{PATH_NAMES.get(t, t)} on {loop}" for t, loop in loops.items())
+            f"kvguard ran on {loops.get('kvguard') or 'an unreported loop'}"
             + (
-                " (`KVGUARD_EVENT_LOOP=asyncio`; uvloop comes with the `fast` extra)."
+                " and, for comparison, on asyncio's own loop (`KVGUARD_EVENT_LOOP=asyncio`)."
                 if "kvguard_asyncio" in loops
-                else " (uvloop, the `fast` extra, was not installed)."
+                else "."
             ),
             "",
         ]
@@ -291,6 +290,20 @@ def _notes(result: dict[str, Any]) -> list[str]:
                 f" {_num(cached['throughput_rps'], 0)} req/s (against"
                 f" {_num(plain['throughput_rps'], 0)})."
             )
+    cpu = result.get("proxy", {}).get("proxy_cpu", {})
+    uv, plain_loop = cpu.get("kvguard", {}), cpu.get("kvguard_asyncio", {})
+    if plain_loop and summary:
+        rates = "; ".join(
+            f"{'SSE stream' if kind == 'stream' else 'whole JSON'}"
+            f" {_num(per['kvguard']['throughput_rps'], 0)} req/s against"
+            f" {_num(per['kvguard_asyncio']['throughput_rps'], 0)}"
+            for kind, per in summary.items()
+            if "kvguard" in per and "kvguard_asyncio" in per
+        )
+        notes.append(
+            f"uvloop against asyncio's loop: {_num(uv.get('cpu_ms_per_request'), 3)} ms of CPU"
+            f" per request against {_num(plain_loop.get('cpu_ms_per_request'), 3)} ms; {rates}."
+        )
     return ["### Where the time goes", "", "From the same run:", "", *[f"- {n}" for n in notes], ""]
 
 
