@@ -257,3 +257,44 @@ async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_
                 await asyncio.sleep(0.005)
         await asyncio.gather(first, *waiting)
     assert order == ["first", "critical", "newer", "older", "sheddable"]
+
+
+async def test_room_that_fits_several_waiting_requests_lets_them_all_in(sim_server, proxy_to):
+    """One request fills the pool; when it ends, the three waiting, which fit together, all go.
+
+    In one wake-up only the newest of a class goes (the older re-wait behind it): the
+    others must be woken again while room is left, not wait for the next request to
+    end (or their wait's end, with room to spare).
+    """
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
+    mitigations = Mitigations(pool_tokens=1000, block_size=16)
+    url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=10)
+    most_at_once = 0
+
+    async def send(http: aiohttp.ClientSession, max_tokens: int, output: int) -> None:
+        async with http.post(f"{url}/v1/completions", json=body(10, max_tokens, output)) as resp:
+            assert resp.status == 200
+            await resp.read()
+
+    async def watch() -> None:
+        nonlocal most_at_once
+        while True:
+            most_at_once = max(most_at_once, len(proxy.inflight))
+            await asyncio.sleep(0.002)
+
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.ensure_future(send(http, 880, 20))  # reserves 896 of 1,000
+        await _one_in_flight(proxy)
+        waiting = []
+        for _ in range(3):  # 240 each: none fits beside the first, all three together do
+            waiting.append(asyncio.ensure_future(send(http, 220, 200)))
+            for _ in range(200):
+                if proxy.waiting == len(waiting):
+                    break
+                await asyncio.sleep(0.005)
+        assert proxy.waiting == 3
+        watcher = asyncio.ensure_future(watch())
+        await first
+        await asyncio.gather(*waiting)
+        watcher.cancel()
+    assert most_at_once == 3

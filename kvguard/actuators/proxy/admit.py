@@ -39,6 +39,7 @@ from kvguard.core import admission as rules
 from kvguard.core.lengths import ObservedLengths
 
 log = structlog.get_logger("kvguard.proxy")
+CRITICAL_RANK = rank("critical")
 
 
 class Admission:
@@ -617,10 +618,29 @@ class Admission:
             return admitted
         finally:
             waiting.pop(ticket, None)
-            if not admitted:
-                # It leaves without taking room it blocked others from: they may go now.
-                # (Admitted, it took room; the next request to end wakes the others.)
+            # Not admitted, it leaves room it blocked others from. Admitted, it took some
+            # room, and the rest may still fit others: in a wake-up only one request of
+            # a class goes (the newest that fits; the older ones re-wait behind it), so
+            # without this the others would wait for the next request to end, and the
+            # oldest run out their wait with room to spare.
+            if not admitted or self._someone_fits():
                 self.wake()
+
+    def _someone_fits(self) -> bool:
+        """Whether a request waiting for room would fit it now (the highest class waiting)."""
+        in_flight, pool = self.in_flight(), self.mitigations.pool_tokens
+        for own_rank in sorted(self._waiting_ranks, reverse=True):
+            waiting = self._waiting_ranks[own_rank]
+            if not waiting:
+                continue
+            critical = own_rank == CRITICAL_RANK
+            ratio = self._terms(critical=critical).ratio
+            # A lower class waits while this one does: only this class can go now.
+            return any(
+                rules.admits(in_flight, size, pool, ratio, critical=critical)
+                for size in waiting.values()
+            )
+        return False
 
 
 def _reads_as_chat(shape: str, payload: object) -> bool:
