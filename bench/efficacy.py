@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ from typing import Any, Protocol
 from bench import efficacy_policies as pol
 from bench.efficacy_plot import plot
 from bench.efficacy_stats import STATIC, summarize
+from kvguard.probes.engine import EngineProbe
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.loadgen_client import ENGINE_PRIORITIES
@@ -222,6 +224,97 @@ class SimHost:
         return EngineRun(server.url, read, server.crashed, stop, stop)
 
 
+class SimProcessHost:
+    """A fresh simulated engine for every run, in its own process (``kvguard sim-engine``).
+
+    The engine's steps are timed by its event loop. In the benchmark's own process
+    that loop also runs the load generator and, for kvguard and the llm-d rule, their
+    proxies: every millisecond a proxy spends on a request then stretches the
+    engine's steps (measured: 42% longer than its time model through kvguard on
+    ``bursty_short``, 9% without), which a real engine on a GPU never pays. In its
+    own process the engine keeps its time model, whatever stands in front of it.
+    """
+
+    name = "sim-process"
+    pool = POOL
+
+    async def open(
+        self, *, mode: str, max_num_seqs: int, scheduling_policy: str, seed: int
+    ) -> EngineRun:
+        """Start ``kvguard sim-engine`` with this failure mode, batch cap and policy."""
+        pool = self.pool
+        argv = [
+            sys.executable,
+            "-m",
+            "kvguard.cli.main",
+            "sim-engine",
+            *("--host", "127.0.0.1", "--port", "0", "--seed", str(seed)),
+            *("--kv-capacity-tokens", str(pool.kv_capacity_tokens)),
+            *("--block-size", str(pool.block_size), "--max-model-len", str(pool.max_model_len)),
+            *("--max-num-seqs", str(max_num_seqs)),
+            *("--max-num-batched-tokens", str(pool.max_num_batched_tokens)),
+            *("--scheduling-policy", scheduling_policy, "--on-crash", "exit"),
+            *(("--oom-on-exhaust",) if mode == "oom" else ()),
+        ]
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+        url = await _announced_url(process)
+        probe = EngineProbe(url, kind="vllm", timeout_s=5.0)
+        crashed = asyncio.Event()
+
+        async def drain_and_watch() -> None:
+            # Its output is read to the end (a full pipe would stall it); it exits on a
+            # simulated OOM (--on-crash exit): a dead process, as SimHost's crash is.
+            assert process.stdout is not None  # noqa: S101 - piped above
+            while await process.stdout.readline():
+                pass
+            if await process.wait() != 0:
+                crashed.set()
+
+        watcher = asyncio.ensure_future(drain_and_watch())
+
+        async def read() -> pol.Reading:
+            stats = await probe.sample()
+            return (
+                stats.kv_cache_usage_ratio or 0.0,
+                int(stats.requests_waiting or 0),
+                int(stats.preemptions_total or 0),
+            )
+
+        stopped = False
+
+        async def stop() -> None:
+            nonlocal stopped
+            if stopped:
+                return
+            stopped = True
+            await probe.close()
+            if process.returncode is None:
+                process.terminate()
+                try:
+                    await asyncio.wait_for(process.wait(), 10)
+                except (asyncio.TimeoutError, TimeoutError):
+                    process.kill()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+        return EngineRun(url, read, crashed, stop, stop)
+
+
+async def _announced_url(process: asyncio.subprocess.Process) -> str:
+    """The URL ``kvguard sim-engine`` says it serves on, from its first lines."""
+    assert process.stdout is not None  # noqa: S101 - piped by the caller
+    seen = []
+    while True:
+        line = await asyncio.wait_for(process.stdout.readline(), 60)
+        if not line:
+            raise RuntimeError(f"kvguard sim-engine exited before serving: {b''.join(seen)!r}")
+        seen.append(line)
+        match = re.search(rb"on (http://127\.0\.0\.1:\d+);", line)
+        if match:
+            return match.group(1).decode()
+
+
 async def _load_through_crash(
     engine: EngineRun, config: LoadConfig
 ) -> tuple[LoadReport, float | None]:
@@ -316,10 +409,11 @@ async def measure(
     """One traffic run of ``policy`` (and, for ``none``, the observers riding on it).
 
     ``max_num_seqs`` is the engine's batch cap: the sweep value for ``static``, the
-    pool's default otherwise. ``host`` gives the engine (a fresh simulator by default).
+    pool's default otherwise. ``host`` gives the engine (a fresh simulator in its own
+    process by default).
     """
     setup = setup or Setup()
-    host = host or SimHost()
+    host = host or SimProcessHost()
     began = time.monotonic()
     seqs = max_num_seqs if max_num_seqs is not None else host.pool.max_num_seqs
     engine = await host.open(
@@ -423,6 +517,13 @@ class Plan:
     seeds: int = SEEDS
     static_sweep: tuple[int, ...] = STATIC_SWEEP
     setup: Setup = Setup()
+    # Where the simulated engine runs: "process" (its own, as a real engine is) or
+    # "inprocess" (the benchmark's own event loop, the fronts' CPU stretching its steps).
+    engine: str = "process"
+
+    def host(self) -> EngineHost:
+        """A host for this plan's engines."""
+        return SimProcessHost() if self.engine == "process" else SimHost()
 
     def traffic_runs(self) -> list[tuple[str, Workload, int, str, int | None]]:
         """(mode, workload, seed, policy, max_num_seqs) of every traffic run, in order."""
@@ -445,6 +546,9 @@ class Plan:
             "engine": "kvguard's simulated vLLM (`kvguard sim-engine`): each request ends at"
             " its true length (the sim-only body field `kvguard_sim_output_tokens`), or at"
             " `max_tokens` when that is shorter",
+            "engine_process": "its own process (as a real engine runs)"
+            if self.engine == "process"
+            else "the benchmark's own event loop, shared with the load and any proxy",
             "pool": {
                 "kv_capacity_tokens": POOL.kv_capacity_tokens,
                 "block_size": POOL.block_size,
@@ -516,7 +620,7 @@ async def run_plan(
     series: dict[str, dict[str, Any]] = {}
     for mode, workload, seed, policy, seqs in plan.traffic_runs():
         got, timelines = await measure(
-            workload, seed, policy, mode=mode, setup=plan.setup, max_num_seqs=seqs
+            workload, seed, policy, mode=mode, setup=plan.setup, max_num_seqs=seqs, host=plan.host()
         )
         runs.extend(r for r in got if r["policy"] in plan.policies or r["policy"] == STATIC)
         if seed == TIMESERIES_SEED and mode == "preempt" and policy != STATIC:
@@ -598,6 +702,13 @@ def parser(prog: str = "python -m bench efficacy") -> argparse.ArgumentParser:
         help="max_num_seqs values of the static sweep (default"
         f" {' '.join(map(str, STATIC_SWEEP))})",
     )
+    p.add_argument(
+        "--engine",
+        choices=("process", "inprocess"),
+        default="process",
+        help="where the simulated engine runs: its own process (default, as a real engine"
+        " does) or the benchmark's event loop (a front's CPU then slows the engine)",
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     return p
 
@@ -629,6 +740,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
         seeds=args.seeds,
         static_sweep=tuple(args.static_sweep),
         setup=Setup(pattern_s=args.pattern_s),
+        engine=args.engine,
     )
 
 
