@@ -44,6 +44,7 @@ from typing import Any, Protocol
 from bench import efficacy_policies as pol
 from bench.efficacy_plot import plot
 from bench.efficacy_stats import STATIC, summarize
+from kvguard.errors import ProbeError
 from kvguard.probes.engine import EngineProbe
 from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
@@ -176,6 +177,8 @@ class EngineRun:
     crashed: asyncio.Event
     close: Callable[[], Awaitable[None]]
     kill: Callable[[], Awaitable[None]]
+    # What the engine last said (a crash's reason), where it can tell.
+    output: Callable[[], str] = lambda: ""
 
 
 class EngineHost(Protocol):
@@ -236,7 +239,9 @@ class SimProcessHost:
     """
 
     name = "sim-process"
-    pool = POOL
+
+    def __init__(self, pool: PoolSpec = POOL) -> None:
+        self.pool = pool
 
     async def open(
         self, *, mode: str, max_num_seqs: int, scheduling_policy: str, seed: int
@@ -262,27 +267,39 @@ class SimProcessHost:
         url = await _announced_url(process)
         probe = EngineProbe(url, kind="vllm", timeout_s=5.0)
         crashed = asyncio.Event()
+        last_lines: list[str] = []
 
         async def drain_and_watch() -> None:
             # Its output is read to the end (a full pipe would stall it); it exits on a
             # simulated OOM (--on-crash exit): a dead process, as SimHost's crash is.
             assert process.stdout is not None  # noqa: S101 - piped above
-            while await process.stdout.readline():
-                pass
+            while line := await process.stdout.readline():
+                last_lines.append(line.decode(errors="replace").rstrip())
+                del last_lines[:-5]
             if await process.wait() != 0:
                 crashed.set()
 
         watcher = asyncio.ensure_future(drain_and_watch())
 
+        last: pol.Reading = (0.0, 0, 0)
+        stopped = False
+
         async def read() -> pol.Reading:
-            stats = await probe.sample()
-            return (
+            # After a crash (the process is gone) or once stopped: the last reading, as
+            # SimHost's dead engine keeps its last state.
+            nonlocal last
+            if stopped or crashed.is_set():
+                return last
+            try:
+                stats = await probe.sample()
+            except (ProbeError, RuntimeError):
+                return last  # it died between the check and the read
+            last = (
                 stats.kv_cache_usage_ratio or 0.0,
                 int(stats.requests_waiting or 0),
                 int(stats.preemptions_total or 0),
             )
-
-        stopped = False
+            return last
 
         async def stop() -> None:
             nonlocal stopped
@@ -298,7 +315,7 @@ class SimProcessHost:
                     process.kill()
             await asyncio.gather(watcher, return_exceptions=True)
 
-        return EngineRun(url, read, crashed, stop, stop)
+        return EngineRun(url, read, crashed, stop, stop, lambda: "; ".join(last_lines))
 
 
 async def _announced_url(process: asyncio.subprocess.Process) -> str:

@@ -33,19 +33,19 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.efficacy import EngineRun, SimProcessHost
 from kvguard.api.logs import configure_logging
 from kvguard.core.policy import LEVELS
 from kvguard.runtime.assembly import Guard
 from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.inprocess import start_guard
-from kvguard.sim.engine import TimeModel
 from kvguard.sim.loadgen import LoadConfig, run_load
 from kvguard.sim.loadgen_report import LoadReport
-from kvguard.sim.runner import PoolSpec, SimServer, size_pool, start_sim_server
+from kvguard.sim.runner import PoolSpec
 
 POOL = PoolSpec(
     kv_capacity_tokens=12_288, max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048
@@ -134,8 +134,13 @@ async def measure(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
     began = time.monotonic()
-    server = await start_sim_server(
-        size_pool(replace(POOL, oom_on_exhaust=oom)), time_model=TimeModel(), seed=seed
+    # The engine in its own process, as a real one runs: in this event loop kvguard's
+    # proxy would take its CPU out of the engine's steps (bench/efficacy.py, SimProcessHost).
+    server = await SimProcessHost(POOL).open(
+        mode="oom" if oom else "preempt",
+        max_num_seqs=POOL.max_num_seqs,
+        scheduling_policy="fcfs",
+        seed=seed,
     )
     guard = None
     if mode != "direct":
@@ -160,25 +165,26 @@ async def measure(
             grace_s=0.5,
         )
         await run_load(warmup)
-        if server.engine.stats.preemptions_total or server.crashed.is_set():
+        _, _, before = await server.read()
+        if before or server.crashed.is_set():
             raise RuntimeError("the warm-up itself preempted or crashed: lower its load")
-        before = server.engine.stats.preemptions_total
         pattern_start = time.monotonic()
         run.peak_level = "ok"  # the warm-up's levels do not count
         report = await _load_until_crash(server, run, url, pattern_s=pattern_s, start=pattern_start)
-        run.preemptions = int(server.engine.stats.preemptions_total - before)
+        if not server.crashed.is_set():
+            run.preemptions = (await server.read())[2] - before
         run.load = load_summary(report) if report is not None else {"cut_off_after_crash": True}
     finally:
         if guard is not None:
             _record_guard(guard, run)
             await guard.close()
-        await server.stop()
+        await server.close()
     run.wall_s = time.monotonic() - began
     return run
 
 
 async def _load_until_crash(
-    server: SimServer, run: Run, url: str, *, pattern_s: float, start: float
+    server: EngineRun, run: Run, url: str, *, pattern_s: float, start: float
 ) -> LoadReport | None:
     """The pattern's load; a crash of the engine ends it (the rest would only fail).
 
@@ -208,7 +214,7 @@ async def _load_until_crash(
         await asyncio.wait({load, crashed}, return_when=asyncio.FIRST_COMPLETED)
         if server.crashed.is_set():
             run.crashed_at_s = time.monotonic() - start
-            run.crash_message = "; ".join(server.crash_messages)
+            run.crash_message = server.output()
             stop.set()
             await asyncio.wait({load}, timeout=STOP_WAIT_S)
             if not load.done():
