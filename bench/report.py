@@ -23,7 +23,7 @@ it cost to run beside an engine. The efficacy figures below come from one run of
 which writes `bench/results/efficacy.json` (with the commit it ran on and every setting)
 and regenerates this page; `python -m bench efficacy --help` lists the flags that run a
 part (`--patterns`, `--traces`, `--speed`, `--modes`, `--policies`, `--seeds`,
-`--pattern-s`, `--static-sweep`, `--out-dir`). The same on a real vLLM for CPU:
+`--pattern-s`, `--static-sweep`, `--engine`, `--out-dir`). The same on a real vLLM for CPU:
 `python -m bench.efficacy_vllm [--seeds N] [--pattern-s S] [--policies …] [--out-dir
 DIR]` writes `efficacy_vllm.json` (it needs `scripts/real-engines.sh install vllm`).
 `python -m bench docs` rewrites this page from the results already there. All traffic
