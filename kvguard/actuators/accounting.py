@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from kvguard.core.admission import pooled_reservation
 from kvguard.core.histogram import TOKEN_BUCKETS, Histogram
 
 # Real tokenizers average ~4 bytes of English per token; 3 overestimates the prompt,
@@ -188,6 +189,14 @@ class InflightRequest:
     # of its reservation once it outruns the learned estimate.
     output_ceiling: int | None = None
     outran: bool = False  # its answer ran past the reservation it was admitted with
+    # Admission "observed", once answers of its kind are known: where its answers (all
+    # sequences) are expected to end given what they have written, and the variance
+    # of that (re-read every tick); the in-flight set is reserved at a quantile of its
+    # total from these (kvguard.core.admission.pooled_reservation). None: unknown,
+    # its reservation above stands alone.
+    expected_output: float | None = None
+    output_variance: float = 0.0
+    expected_ceiling: int | None = None  # per sequence: where the unknown tail is put
     sequences: int = 1  # prompts x samples (n, best_of): answers the engine writes
     # (model, route, priority): whose answer lengths this one's is learned with.
     kind: tuple[str, str, str] | None = None
@@ -222,6 +231,16 @@ class InflightRequest:
             # it stays ahead as it grows without claiming a whole context at once.
             reserved = min(self.output_ceiling, 2 * self.generated)
         return self.prompt_tokens + max(reserved or 0, self.generated)
+
+    @property
+    def expected_tokens(self) -> int:
+        """Tokens it is expected to hold at the end; its projection while that is unknown.
+
+        Never less than what it holds now.
+        """
+        if self.expected_output is None:
+            return self.projected_tokens
+        return self.prompt_tokens + max(math.ceil(self.expected_output), self.generated)
 
     @property
     def output_per_sequence(self) -> int:
@@ -271,11 +290,23 @@ class Inflight:
             if r.kind is not None and r.generated > 0
         ]
 
-    def projected_tokens(self, block_size: int) -> int:
-        """Tokens all in-flight requests will hold at most, each rounded up to whole blocks."""
-        return sum(
-            -(-r.projected_tokens // block_size) * block_size for r in self._requests.values()
-        )
+    def projected_tokens(self, block_size: int, quantile: float = 1.0) -> int:
+        """Tokens reserved for all in-flight requests, each rounded up to whole blocks.
+
+        At ``quantile`` 1, the sum of each one's projection; below it, a ``quantile``
+        of their total where their expected lengths are known, never more than that
+        sum (:func:`kvguard.core.admission.pooled_reservation`).
+        """
+        each = expected = 0
+        variance = 0.0
+        for r in self._requests.values():
+            each += -(-r.projected_tokens // block_size) * block_size
+            if quantile < 1.0:
+                expected += -(-r.expected_tokens // block_size) * block_size
+                variance += r.output_variance
+        if quantile >= 1.0:
+            return each
+        return pooled_reservation(each, expected, variance, quantile)
 
     @property
     def total_tokens(self) -> int:

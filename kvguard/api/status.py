@@ -168,6 +168,8 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
         "waiting_requests": proxy.waiting,
         "inflight_kv_tokens": proxy.inflight.total_tokens,
         "admission": proxy.settings.admission,
+        # What admission holds for them: a quantile of their total under "observed".
+        "reserved_kv_tokens": proxy.reserved_tokens,
         # What each kind of request's answers really use (the reservations of "observed").
         "answer_lengths": {
             "quantile": proxy.settings.reserve_quantile,
@@ -185,6 +187,9 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
                 "kv_tokens": r.footprint_tokens,
                 "projected_kv_tokens": r.projected_tokens,
                 "reserved_output_tokens": r.reserved_output,
+                "expected_output_tokens": (
+                    None if r.expected_output is None else math.ceil(r.expected_output)
+                ),
                 "kv_bytes": r.footprint_tokens * per_token if per_token else None,
             }
             for r in proxy.inflight.top(10)

@@ -399,7 +399,9 @@ class ProxyConfig:
         " really uses (projected: at max_tokens)",
     )
     reserve_quantile: float = setting(
-        0.95, number(0.5, 1.0, low_open=False), "the quantile of recent answer lengths reserved"
+        0.95,
+        number(0.5, 1.0, low_open=False),
+        "the quantile of answer lengths reserved (each alone; the in-flight total together)",
     )
     reserve_min_samples: int = setting(
         20, integer(1), "answers of a kind seen before its lengths replace max_tokens"

@@ -9,15 +9,19 @@ rule can be tested with plain numbers.
 Terms: a request's *projection* is its prompt plus the answer reserved for it
 (:func:`reserved_answer`: what answers of its kind really use, or ``max_tokens``),
 summed over its sequences (:func:`sequence_totals`), in whole KV blocks; *in flight*
-is the sum of the projections of the requests the engine has now, never less than
-what the engine says it holds (:func:`in_flight_tokens`); the *pool* is the engine's
-usable KV cache in tokens, ``None`` while unknown.
+is what the requests the engine has now are reserved at together — the sum of their
+projections, or a quantile of their total where their expected lengths are known
+(:func:`pooled_reservation`) — never less than what the engine says it holds
+(:func:`in_flight_tokens`); the *pool* is the engine's usable KV cache in tokens,
+``None`` while unknown.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Literal
 
 # Requests of a shed class held for room, at most: this many pools' worth (projected).
@@ -149,6 +153,29 @@ def reserved_answer(
     if learned is not None and learned < ceiling:
         return max(learned, 1), "observed"
     return ceiling, source
+
+
+def pooled_reservation(
+    each_at_quantile: int, expected: int, variance: float, quantile: float
+) -> int:
+    """What a set of answers is reserved at together: a ``quantile`` of their total.
+
+    Reserving every answer at a high quantile of its own length reserves the set at
+    far more than that quantile of the set's total: answers do not all run long at
+    once, and where a route serves both short and long answers the quantile is a
+    long one's, so each short answer would hold a long one's room (the pool then
+    sits mostly idle while requests are shed). The set's total is the sum of
+    independent lengths, so it is reserved at their ``expected`` sum plus ``z``
+    standard deviations of it (``variance`` summed; ``z`` the normal quantile of
+    ``quantile``: 1.64 for 0.95). The margin grows with the square root of the
+    number of answers, not with their number. Never more than
+    ``each_at_quantile``, the sum of each answer at its own quantile: pooling only
+    ever gives room back, and at ``quantile`` 1 nothing is pooled.
+    """
+    if quantile >= 1.0:
+        return each_at_quantile
+    margin = NormalDist().inv_cdf(quantile) * math.sqrt(max(variance, 0.0))
+    return min(each_at_quantile, expected + math.ceil(max(margin, 0.0)))
 
 
 def whole_blocks(tokens: int, block_size: int) -> int:

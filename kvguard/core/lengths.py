@@ -195,6 +195,26 @@ class ObservedLengths:
             return LengthEstimate(tokens, len(recent.values), key)
         return None
 
+    def table(self, kind: Kind, running: Iterable[tuple[Kind, int]] = ()) -> LengthTable | None:
+        """The whole estimated distribution of answer lengths of ``kind``, not one quantile.
+
+        The same kind :meth:`estimate` reads (its own, else the nearest broader one
+        with ``min_samples`` ended answers), with the same answers still running and
+        cut counted as lower bounds; None when no kind it falls under has enough.
+        What admission reads each answer's expected length and spread from, to
+        reserve for the in-flight answers together (see :class:`LengthTable`).
+        """
+        for key in _broader(kind):
+            recent = self._kinds.get(key)
+            if recent is None or len(recent.values) < self.terms.min_samples:
+                continue
+            censored = [g for k, g in running if g > 0 and _covers(key, k)]
+            since = recent.added - len(recent.values)
+            censored.extend(w for at, w in self._cut.get(key, ()) if at >= since)
+            censored.sort()
+            return LengthTable.estimate(recent.ascending(), censored, len(recent.values), key)
+        return None
+
     def observe_prompt(self, model: str, counted: int, estimated: int) -> None:
         """Record the engine's count of a prompt against the estimate it was admitted with."""
         if counted < 1 or estimated < 1:
@@ -238,6 +258,90 @@ class ObservedLengths:
                 }
             )
         return out
+
+
+class LengthTable:
+    """The Kaplan-Meier estimate of one kind's answer lengths, as masses at the lengths seen.
+
+    ``lengths`` ascending (the distinct lengths of ended answers), ``masses`` the
+    estimated share of answers ending at each, and ``tail`` the share estimated to be
+    longer than every one seen to end (answers still running past the longest ended
+    one): what nothing seen yet tells. :meth:`moments` answers, for one answer that
+    has written ``beyond`` tokens and may write at most ``ceiling``, the mean and
+    variance of where it will end, the unknown tail placed at the ceiling (as the
+    conservative prior reserves). Lookups are O(log n) on prefix sums, so every
+    running answer can be re-read each tick.
+    """
+
+    __slots__ = ("_m0", "_m1", "_m2", "kind", "lengths", "samples", "tail")
+
+    def __init__(
+        self, lengths: list[int], masses: list[float], tail: float, samples: int, kind: Kind
+    ) -> None:
+        self.lengths = lengths
+        self.tail = tail
+        self.samples = samples
+        self.kind = kind
+        # Prefix sums of mass, mass x length and mass x length^2.
+        self._m0 = [0.0]
+        self._m1 = [0.0]
+        self._m2 = [0.0]
+        for length, mass in zip(lengths, masses, strict=True):
+            self._m0.append(self._m0[-1] + mass)
+            self._m1.append(self._m1[-1] + mass * length)
+            self._m2.append(self._m2[-1] + mass * length * length)
+
+    @classmethod
+    def estimate(
+        cls, ended: list[int], running: list[int], samples: int, kind: Kind
+    ) -> LengthTable:
+        """The product-limit estimate from ``ended`` lengths and ``running`` lower bounds.
+
+        Both lists ascending.
+        An answer running (or cut) at ``c`` tokens is known to be longer than every
+        length up to ``c``, and counted at risk there, as :func:`censored_quantile` does.
+        """
+        lengths: list[int] = []
+        masses: list[float] = []
+        at_risk = len(ended) + len(running)
+        survival = 1.0
+        i = j = 0
+        while i < len(ended):
+            length = ended[i]
+            while j < len(running) and running[j] < length:
+                j += 1
+                at_risk -= 1
+            ended_here = 0
+            while i < len(ended) and ended[i] == length:
+                ended_here += 1
+                i += 1
+            mass = survival * ended_here / at_risk
+            survival -= mass
+            at_risk -= ended_here
+            lengths.append(length)
+            masses.append(mass)
+        return cls(lengths, masses, max(survival, 0.0), samples, kind)
+
+    def moments(self, beyond: int, ceiling: int) -> tuple[float, float]:
+        """Mean and variance of where an answer ``beyond`` tokens long ends, at most ``ceiling``.
+
+        Only lengths at or over ``beyond`` count (it has written that much); lengths
+        over ``ceiling`` and the unknown tail end at the ceiling (it cannot write
+        more). With nothing known past ``beyond``: the ceiling, no spread.
+        """
+        top = max(ceiling, beyond)
+        lo = bisect_left(self.lengths, beyond)
+        hi = max(lo, bisect_left(self.lengths, top))
+        mass = self._m0[hi] - self._m0[lo]
+        first = self._m1[hi] - self._m1[lo]
+        second = self._m2[hi] - self._m2[lo]
+        capped = self._m0[-1] - self._m0[hi] + self.tail
+        total = mass + capped
+        if total <= 1e-12:
+            return float(top), 0.0
+        mean = (first + capped * top) / total
+        variance = (second + capped * top * top) / total - mean * mean
+        return mean, max(variance, 0.0)
 
 
 def censored_quantile(

@@ -124,7 +124,10 @@ async def test_many_sequences_reserve_each_and_a_request_that_cannot_fit_is_told
         ) as resp:
             assert resp.status == 503
             assert resp.headers["Retry-After"]
-            message = (await resp.json())["error"]["message"]
+            error = (await resp.json())["error"]
+            # Its own code, not the ladder's kv_cache_pressure: the level may well be ok.
+            assert error["code"] == "kv_pool_full"
+            message = error["message"]
     # 200 sequences x (the prompt's estimate + 40 answer): at least 10,000 tokens, more
     # than the pool can ever give it: refused at once, not after the wait.
     projected = re.search(
@@ -298,3 +301,56 @@ async def test_room_that_fits_several_waiting_requests_lets_them_all_in(sim_serv
         await asyncio.gather(*waiting)
         watcher.cancel()
     assert most_at_once == 3
+
+
+async def test_answers_reserved_together_let_more_in_than_each_at_its_quantile(
+    sim_server, proxy_to
+):
+    """Half the answers of a route are short, half long: p95 reserves every one as a long one.
+
+    Reserved together at the p95 of their total (their expected lengths plus 1.645
+    standard deviations of the sum), more short answers run at once than reserving
+    each at its own p95 would let in, and none is shed.
+    """
+    server = await sim_server(kv_capacity_tokens=16384, max_model_len=4096, per_token_s=0.0002)
+    mitigations = Mitigations(pool_tokens=8000, block_size=16)
+    url, proxy = await proxy_to(server.url, mitigations, admission_wait_s=10)
+    assert proxy.settings.reserve_quantile == 0.95  # the default
+    async with aiohttp.ClientSession() as http:
+        # Ten answers of 40 and ten of 400 (asked at their length, so all fit at once).
+        learned = await asyncio.gather(
+            *(
+                http.post(f"{url}/v1/completions", json=body(100, n, n))
+                for n in [40] * 10 + [400] * 10
+            )
+        )
+        assert [r.status for r in learned] == [200] * 20
+        for answer in learned:
+            answer.close()
+        most, pooled_below_each = 0, False
+        sizes: list[int] = []
+
+        async def watch() -> None:
+            nonlocal most, pooled_below_each
+            while True:
+                requests = list(proxy.inflight)
+                most = max(most, len(requests))
+                sizes.extend(-(-r.projected_tokens // 16) * 16 for r in requests)
+                each = sum(-(-r.projected_tokens // 16) * 16 for r in requests)
+                pooled_below_each |= 0 < proxy.reserved_tokens < each
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.ensure_future(watch())
+        answers = await asyncio.gather(
+            *(http.post(f"{url}/v1/completions", json=body(100, 1500, 40)) for _ in range(24))
+        )
+        watcher.cancel()
+        assert [a.status for a in answers] == [200] * 24
+        for answer in answers:
+            answer.close()
+    # Each at its own p95 (400 output tokens): no more than this many at once.
+    each_alone = int(8000 * 0.95) // max(sizes)
+    assert max(sizes) >= 500, max(sizes)
+    assert most > each_alone, (most, each_alone)
+    assert pooled_below_each
+    assert proxy.counters.shed == {}

@@ -922,7 +922,7 @@ async def test_n_best_of_and_batches_count_as_the_sequences_they_are(
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{proxy}{path}", json=body) as resp:
             assert resp.status == 503
-            assert (await resp.json())["error"]["code"] == "kv_cache_pressure"
+            assert (await resp.json())["error"]["code"] == "kv_pool_full"
         assert forwarded(seen) == []
         one = read_generation(find_route(routes_for(kind), "POST", normal_path(path)).shape, single)
         assert one is not None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,6 +21,7 @@ from kvguard.core.admission import (
     may_hold,
     needs_exact_count,
     overrun_cancels,
+    pooled_reservation,
     whole_blocks,
 )
 
@@ -198,3 +201,31 @@ def test_overrun_cancels_the_fewest_that_make_the_pool_last(used, growth, pool, 
 
     assert n == len(footprints) or lasts(n)
     assert n == 0 or not lasts(n - 1)
+
+
+def test_answers_reserved_together_need_a_margin_that_grows_as_the_square_root():
+    """100 answers expected at 200 ± 100: p95 of the total is 20,000 + 1.645 x 1,000."""
+    assert pooled_reservation(50_000, 20_000, 100 * 100**2, 0.95) == 20_000 + 1645
+    # One answer alone: its own margin, 1.645 standard deviations.
+    assert pooled_reservation(500, 200, 100**2, 0.95) == 200 + 165
+    # At most the sum of each at its own quantile: pooling only gives room back.
+    assert pooled_reservation(300, 200, 100**2, 0.95) == 300
+    # At the quantile 1 nothing is pooled; at 0.5 the expected total alone.
+    assert pooled_reservation(50_000, 20_000, 10**6, 1.0) == 50_000
+    assert pooled_reservation(50_000, 20_000, 10**6, 0.5) == 20_000
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 5000), st.floats(0, 1e6)), max_size=50),
+    st.floats(0.5, 1.0),
+)
+def test_the_pooled_reservation_covers_the_expected_total_and_never_exceeds_each_alone(
+    answers, quantile
+):
+    """Between the expected total and the sum of each alone; it grows with the quantile."""
+    expected = sum(e for e, _ in answers)
+    variance = sum(v for _, v in answers)
+    each = expected + sum(math.ceil(3 * v**0.5) for _, v in answers)
+    reserved = pooled_reservation(each, expected, variance, quantile)
+    assert expected <= reserved <= each
+    assert reserved <= pooled_reservation(each, expected, variance, min(1.0, quantile + 0.01))

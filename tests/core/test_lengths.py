@@ -207,3 +207,68 @@ def test_the_quantile_beyond_a_length_needs_enough_answers_past_it():
     assert censored_quantile(ended, [], 0.95, beyond=505) is None  # fourteen past it
     assert censored_quantile(ended, [600], 0.95, beyond=400) == 519  # one running counts
     assert censored_quantile(ended, [], 1.0, beyond=400) is None
+
+
+def _moments(values: list[int]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    return mean, sum((v - mean) ** 2 for v in values) / len(values)
+
+
+def test_the_length_table_without_running_answers_is_the_sample_itself():
+    """Nothing running: the mean and variance of the answers seen (past a length: the longer)."""
+    lengths = ObservedLengths(LengthTerms(min_samples=5, window=100))
+    seen = [40] * 10 + [400] * 10 + [1000] * 5
+    for tokens in seen:
+        lengths.observe(CHAT, tokens, tokens + 10)
+    table = lengths.table(CHAT)
+    assert table is not None
+    assert (table.samples, table.kind, table.tail) == (25, CHAT, 0.0)
+    mean, variance = table.moments(0, 4096)
+    assert mean == pytest.approx(_moments(seen)[0])
+    assert variance == pytest.approx(_moments(seen)[1])
+    # An answer that has written 41 tokens is one of the 400s or the 1000s.
+    mean, variance = table.moments(41, 4096)
+    assert (mean, variance) == pytest.approx(_moments([400] * 10 + [1000] * 5))
+    # Its max_tokens is 500: a 1000-token answer of its kind would stop at 500.
+    assert table.moments(41, 500) == pytest.approx(_moments([400] * 10 + [500] * 5))
+    # Past every length seen to end, nothing is known: its ceiling, no spread.
+    assert table.moments(1001, 2048) == (2048.0, 0.0)
+
+
+def test_answers_still_running_put_their_unknown_share_at_the_ceiling():
+    """Ten short answers ended, ten long ones run: half the mass is unknown, at the ceiling."""
+    lengths = ObservedLengths(LengthTerms(min_samples=5, window=100))
+    for _ in range(10):
+        lengths.observe(CHAT, 40, 50)
+    running = [(CHAT, 300)] * 10
+    table = lengths.table(CHAT, running)
+    assert table is not None
+    assert table.tail == pytest.approx(0.5)
+    assert table.moments(0, 2000) == pytest.approx(_moments([40] * 10 + [2000] * 10))
+    # Answers of another kind running tell nothing about this one.
+    other = ("llama", "/v1/completions", "standard")
+    assert lengths.table(CHAT, [(other, 300)] * 10).tail == 0.0  # type: ignore[union-attr]
+    # A model never seen is read from every answer seen (the broadest kind).
+    assert lengths.table(("other", "/x", "critical")).kind == ("", "", "")  # type: ignore[union-attr]
+    assert ObservedLengths().table(CHAT) is None  # nothing seen: the caller reserves the ask
+
+
+@given(
+    st.lists(st.integers(1, 3000), min_size=1, max_size=60),
+    st.lists(st.integers(1, 3000), max_size=60),
+    st.integers(0, 3000),
+    st.integers(1, 4000),
+)
+def test_the_expected_length_lies_between_what_is_written_and_the_ceiling(
+    ended, running, beyond, ceiling
+):
+    """Whatever was seen, an answer is expected to end between what it wrote and its ceiling."""
+    lengths = ObservedLengths(LengthTerms(min_samples=1, window=100))
+    for tokens in ended:
+        lengths.observe(CHAT, tokens, tokens)
+    table = lengths.table(CHAT, [(CHAT, g) for g in running])
+    assert table is not None
+    mean, variance = table.moments(beyond, ceiling)
+    top = max(beyond, ceiling)
+    assert min(beyond, top) - 1e-6 <= mean <= top + 1e-6
+    assert 0.0 <= variance <= (top - min(beyond, top)) ** 2 / 4 + 1e-6

@@ -458,6 +458,7 @@ OUR_REFUSALS = {
     "kv_window_exceeded",
     "request_too_large",
     "kv_cache_pressure",
+    "kv_pool_full",
 }
 
 

@@ -36,7 +36,7 @@ from kvguard.actuators.proxy.counting import (
 from kvguard.actuators.proxy.screen import _malformed_generation, beside_the_loop, read_json
 from kvguard.actuators.proxy.settings import ProxyCounters, ProxySettings
 from kvguard.core import admission as rules
-from kvguard.core.lengths import ObservedLengths
+from kvguard.core.lengths import LengthTable, ObservedLengths
 
 log = structlog.get_logger("kvguard.proxy")
 CRITICAL_RANK = rank("critical")
@@ -266,7 +266,9 @@ class Admission:
                 f"kvguard shed this {priority} request: {why};"
                 f" retry after {self.mitigations.retry_after_s} s",
                 "server_overloaded",
-                code="kv_cache_pressure",
+                # Its own code: the pool had no room for it, whatever the level (a client
+                # can tell it from the ladder's shed, kv_cache_pressure).
+                code="kv_pool_full",
                 headers={"Retry-After": str(self.mitigations.retry_after_s)},
             )
         if self.draining():
@@ -282,25 +284,29 @@ class Admission:
         the longest prompt), the learned quantile once enough answers were seen.
         """
         context = self.mitigations.context_tokens
+        room = context - prompt if context is not None else None
+        sequences = max(tracked.sequences, 1)
         # The answers still being written count too: early in a burst the short ones
         # end first, and the long ones of the same kind must not go unseen.
-        learned = (
-            self.lengths.estimate(tracked.kind, self._inflight.running_answers())
-            if tracked.kind is not None
-            else None
-        )
+        running = self._inflight.running_answers() if tracked.kind is not None else []
+        learned = self.lengths.estimate(tracked.kind, running) if tracked.kind else None
         per_sequence, source = rules.reserved_answer(
-            max_tokens,
-            learned.tokens if learned is not None else None,
-            context - prompt if context is not None else None,
+            max_tokens, learned.tokens if learned is not None else None, room
         )
-        tracked.reserved_output = per_sequence * max(tracked.sequences, 1)
+        tracked.reserved_output = per_sequence * sequences
+        ceiling, ceiling_source = rules.reserved_answer(max_tokens, None, room)
         if source == "observed":
             # What it may really write, should it outrun the estimate (see accounting).
-            ceiling, _ = rules.reserved_answer(
-                max_tokens, None, context - prompt if context is not None else None
-            )
-            tracked.output_ceiling = ceiling * max(tracked.sequences, 1)
+            tracked.output_ceiling = ceiling * sequences
+        table = self.lengths.table(tracked.kind, running) if tracked.kind else None
+        if table is not None:
+            if ceiling_source == "default" and table.lengths:
+                # 512 is a guess, not a limit: an answer may be as long as any seen.
+                ceiling = max(ceiling, table.lengths[-1])
+            tracked.expected_ceiling = ceiling
+            mean, variance = table.moments(0, ceiling)
+            tracked.expected_output = mean * sequences
+            tracked.output_variance = variance * sequences
         tracked.reserved_from = (
             learned.describe(self.settings.reserve_quantile)
             if source == "observed" and learned is not None
@@ -319,7 +325,22 @@ class Admission:
         has written.
         """
         running: list[tuple[tuple[str, str, str], int]] | None = None
+        tables: dict[tuple[str, str, str], LengthTable | None] = {}
         for tracked in self._inflight:
+            if tracked.expected_ceiling is not None and tracked.kind is not None:
+                # Where it will likely end, given what it has written by now.
+                if running is None:
+                    running = self._inflight.running_answers()
+                if tracked.kind not in tables:
+                    tables[tracked.kind] = self.lengths.table(tracked.kind, running)
+                table = tables[tracked.kind]
+                if table is not None:
+                    sequences = max(tracked.sequences, 1)
+                    mean, variance = table.moments(
+                        tracked.output_per_sequence, tracked.expected_ceiling
+                    )
+                    tracked.expected_output = mean * sequences
+                    tracked.output_variance = variance * sequences
             reserved, ceiling = tracked.reserved_output, tracked.output_ceiling
             if reserved is None or ceiling is None or tracked.kind is None:
                 continue
@@ -424,10 +445,18 @@ class Admission:
         ratio = self.settings.admission_ratio
         limit = math.floor(pool * ratio)
         own = self.own(tracked)
-        reserved = self._inflight.projected_tokens(self.mitigations.block_size)
+        reserved = self.reserved()
         in_flight = self.in_flight()
         of = f"the {limit:,} KV tokens admission fills ({ratio:g} of the {pool:,}-token pool)"
         sized = f"; its answer reserved at {tracked.reserved_from}" if tracked.reserved_from else ""
+        quantile = self._pooling_quantile()
+        if tracked.expected_output is not None and quantile < 1.0:
+            # Reserved together: what a person checks against the figures above.
+            sized += (
+                f", expected to write {math.ceil(tracked.expected_output):,};"
+                f" the in-flight answers reserved together at the p{quantile * 100:g}"
+                " of their total"
+            )
         if own > limit:
             return f"it alone reserves {own:,} tokens, more than {of}{sized}"
         why = f"projected {in_flight + own:,} of {of} with it"
@@ -485,10 +514,35 @@ class Admission:
         )
 
     def own(self, tracked: InflightRequest) -> int:
-        """``tracked``'s projection in whole blocks (no ``max_tokens``: assume a long answer)."""
+        """``tracked``'s projection in whole blocks (no ``max_tokens``: assume a long answer).
+
+        Where its expected length is known, what it adds to the in-flight set's
+        reservation at most: its expected tokens plus ``z`` of its own standard
+        deviation (the pooled margin grows by less), never more than its projection.
+        """
         if tracked.max_tokens is None:
             tracked.max_tokens = rules.UNKNOWN_MAX_TOKENS  # the engine picks; assume a long answer
-        return rules.whole_blocks(tracked.projected_tokens, self.mitigations.block_size)
+        block = self.mitigations.block_size
+        alone = rules.whole_blocks(tracked.projected_tokens, block)
+        quantile = self._pooling_quantile()
+        if tracked.expected_output is None or quantile >= 1.0:
+            return alone
+        return rules.pooled_reservation(
+            alone,
+            rules.whole_blocks(tracked.expected_tokens, block),
+            tracked.output_variance,
+            quantile,
+        )
+
+    def _pooling_quantile(self) -> float:
+        """The quantile of the in-flight total reserved: 1 (each alone) unless ``observed``."""
+        return self.settings.reserve_quantile if self.settings.admission == "observed" else 1.0
+
+    def reserved(self) -> int:
+        """What the in-flight requests are reserved at together (before the engine's floor)."""
+        return self._inflight.projected_tokens(
+            self.mitigations.block_size, self._pooling_quantile()
+        )
 
     def room_under(self, ratio: float, own: int) -> bool:
         """Whether in-flight projections plus ``own`` tokens stay within ``ratio`` of the pool."""
@@ -500,9 +554,7 @@ class Admission:
 
     def in_flight(self) -> int:
         """Tokens in flight: the requests' projections, never under the engine's own count."""
-        mitigations = self.mitigations
-        reserved = self._inflight.projected_tokens(mitigations.block_size)
-        return rules.in_flight_tokens(reserved, mitigations.engine_used_tokens)
+        return rules.in_flight_tokens(self.reserved(), self.mitigations.engine_used_tokens)
 
     def may_hold(self, own: int = 0) -> bool:
         """Whether a request of a shed class (``own`` tokens, 0 while not yet known) may be held."""

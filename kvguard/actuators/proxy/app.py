@@ -119,8 +119,20 @@ class AdmissionProxy:
         """Make requests waiting for room re-check now (the mitigations in force changed)."""
         self._admission.wake()
 
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens admission reserves for the requests in flight now (before the engine's floor).
+
+        Under ``admission = "observed"``, a ``reserve_quantile`` of the in-flight
+        answers' total where their expected lengths are known; else the sum of each
+        one's projection.
+        """
+        return self._admission.reserved()
+
     def review_reservations(self) -> int:
-        """Each tick: re-reserve answers past their learned length, cancel what would overrun.
+        """Each tick: re-read each answer's expected end, re-reserve outrunners, cancel overruns.
+
+        Outrunners are answers past their learned length.
 
         Returns how many were cancelled (``kvguard_requests_cancelled_total{reason=
         "overrun"}``): the answers past their reservation that, at the engine's
