@@ -495,3 +495,23 @@ async def test_status_and_metrics_say_which_resource_binds(usage, waiting, preem
         assert value == (1.0 if resource == binds else 0.0), resource
     status = status_document(daemon)
     assert status["pressure"]["binding_resource"] == binds
+
+
+def test_status_shows_what_admission_reserves_for_the_answers_in_flight_together():
+    """/status proxy.reserved_kv_tokens: the p95 of the in-flight total, under each alone."""
+    from kvguard.actuators.accounting import InflightRequest  # noqa: PLC0415 - one test
+
+    daemon, _, _ = make()
+    daemon.mitigations.block_size = 16
+    daemon.proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:1"), daemon.mitigations)
+    for n in range(25):
+        # Each reserved alone at p95 (1,000 output tokens), expected at 200 +- 300.
+        tracked = InflightRequest(f"r{n}", "standard", prompt_tokens=96, max_tokens=2000)
+        tracked.reserved_output, tracked.output_ceiling = 1000, 2000
+        tracked.expected_output, tracked.output_variance = 200.0, 300.0**2
+        daemon.proxy.inflight.add(tracked)
+    proxy = status_document(daemon)["proxy"]
+    # 25 x (96 + 200) = 7,400 expected, plus 1.645 x 300 x 5 = 2,468 for the p95 of the sum.
+    assert proxy["reserved_kv_tokens"] == 25 * 304 + 2468 < 25 * 1104
+    assert proxy["top_inflight"][0]["expected_output_tokens"] == 200
+    assert proxy["top_inflight"][0]["reserved_output_tokens"] == 1000
