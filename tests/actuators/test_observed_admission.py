@@ -120,10 +120,11 @@ async def test_many_sequences_reserve_each_and_a_request_that_cannot_fit_is_told
         async with http.post(
             f"{url}/v1/completions",
             json=body(10, 1500, 40, n=200),
-            headers={"X-Priority": "standard"},
+            headers={"X-Priority": "standard", "X-Request-Id": "ticket-4711"},
         ) as resp:
             assert resp.status == 503
             assert resp.headers["Retry-After"]
+            assert resp.headers["X-Request-Id"] == "ticket-4711"  # the id the log names
             error = (await resp.json())["error"]
             # Its own code, not the ladder's kv_cache_pressure: the level may well be ok.
             assert error["code"] == "kv_pool_full"

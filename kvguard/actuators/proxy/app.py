@@ -208,6 +208,8 @@ class AdmissionProxy:
                 request, body, request_id, route.shape, parsed=share.release
             )
             if isinstance(decided, web.StreamResponse):
+                # kvguard's own answer (a shed, a refusal): the id ties it to the log.
+                decided.headers["X-Request-Id"] = request_id
                 return decided
             body, tracked = decided
         share.release()  # admitted (or not a generation): its bytes go to the engine
