@@ -17,7 +17,7 @@ from aiohttp import web
 from kvguard import __version__
 from kvguard.api.app import build_app
 from kvguard.cli.main import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_OK, main
-from kvguard.cli.status import FleetRow, fetch_fleet, fleet_row, render_fleet
+from kvguard.cli.status import FleetRow, fetch_fleet, fleet_row, pressure_lines, render_fleet
 from kvguard.config.settings import parse_config
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.nvml import NvmlProbe
@@ -497,6 +497,59 @@ def test_fleet_row_reads_the_sooner_resource_and_not_rising():
     assert "unknown" in render_fleet([fresh])
 
 
+def test_status_binding_is_what_binds_and_exhausts_first_is_what_runs_out_soonest():
+    """The Pressure line: `binding` is pressure.binding_resource, not the soonest exhaustion.
+
+    A cache filling while compute binds (requests queue with room in the cache) says
+    both; a forecast of nulls (not rising) says nothing exhausts, whatever binds.
+    """
+    doc = {
+        "engine": {"kind": "vllm", "up": True, "kv_cache_usage_ratio": 0.6},
+        "pressure": {
+            "level": "elevated",
+            "level_for_s": 4.0,
+            "binding_resource": "compute",
+            "pattern": "steady",
+            "forecast": {"kv_time_to_exhaustion_s": 42.7, "gpu_time_to_exhaustion_s": None},
+        },
+        "gpus": None,
+    }
+    first = pressure_lines(doc)[0]
+    assert first.startswith("Pressure elevated for 4 s  binding compute  ")
+    assert "  exhausts first kv_cache in 42 s  " in first
+    full = doc | {
+        "pressure": doc["pressure"]
+        | {"binding_resource": "kv_cache", "forecast": {"kv_time_to_exhaustion_s": None}}
+    }
+    first = pressure_lines(full)[0]
+    assert "  binding kv_cache  exhausts first nothing (not rising)  pattern steady" in first
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["status", "--url", "nope://x"], "--url"),
+        (["status", "--url", "127.0.0.1:9108", "ftp://h:1"], "--url"),
+        (["status", "--url", "http://"], "--url"),
+        (["status", "--url", "127.0.0.1:99999"], "--url"),
+        (["probe", "--engine-url", "nope://x"], "--engine-url"),
+        (["probe", "--engine-url", "unix:///run/vllm.sock"], "--engine-url"),
+    ],
+)
+def test_an_unsupported_url_is_a_usage_error_naming_the_flag(capsys, argv, flag):
+    """`status --url`, `probe --engine-url`: another scheme, no host or a bad port: exit 2.
+
+    One line naming the flag, the value and what is allowed; nothing is read first.
+    """
+    assert main(argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    value = argv[-1]
+    assert err == (
+        f"kvguard {argv[0]}: error: {flag}: must be an http:// or https:// URL with a host,"
+        f" or HOST:PORT without a scheme (http:// is assumed), got {value!r}\n"
+    )
+
+
 # ---------------------------------------------------------------- secret files' modes
 HOOK_SECRET = "0123456789abcdef0123456789abcdef-hook"
 
@@ -535,11 +588,11 @@ def test_check_config_warns_of_secret_files_others_can_read(tmp_path, capsys):
 
 
 def test_strict_secrets_refuses_every_exposed_file(tmp_path, capsys):
-    """check-config and run with --strict-secrets: exit 2, one error per file, nothing started."""
+    """check-config and run with --strict-secrets: exit 1, one error per file, nothing started."""
     path = secret_config(tmp_path, token_mode=0o644, hook_mode=0o644)
-    # check-config: an invalid config is 1; run: it cannot start, a usage-level error.
-    for command, code in ((["check-config", str(path)], 1), (["run", "--config", str(path)], 2)):
-        assert main([*command, "--strict-secrets"]) == code
+    # An invalid config is 1 for both (2 is a usage error).
+    for command in (["check-config", str(path)], ["run", "--config", str(path)]):
+        assert main([*command, "--strict-secrets"]) == 1
         out, err = capsys.readouterr()
         assert out == ""
         name = command[0]
@@ -616,3 +669,51 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     assert reader.returncode == 141, err
     assert b"Traceback" not in err
     assert b"BrokenPipeError" not in err
+
+
+@pytest.mark.parametrize(
+    ("config", "problem"),
+    [
+        ('[engine]\nurl = "nope"\n', "engine.url: must be an http(s) URL"),
+        (
+            '[engine]\nurl = "http://127.0.0.1:1"\n[model]\nconfig = "llama-3.1-8b"\n'
+            "max_model_len = 9999999\n",
+            "model.max_model_len: must be <= the model's max_position_embeddings",
+        ),
+        (None, "file: must be readable"),
+    ],
+    ids=["bad-field", "bad-model-setting", "missing-file"],
+)
+def test_run_exits_1_for_an_invalid_config_as_check_config_does(tmp_path, capsys, config, problem):
+    """A bad field, a model that cannot be budgeted, a missing file: run and check-config exit 1.
+
+    The same lines on stderr, under each command's name; nothing is started.
+    """
+    path = tmp_path / "kvguard.toml"
+    if config is not None:
+        path.write_text(config)
+    errors = {}
+    for argv in (["check-config", str(path)], ["run", "--config", str(path)]):
+        assert main(argv) == 1, argv
+        out, err = capsys.readouterr()
+        assert out == ""
+        errors[argv[0]] = err.replace(f"kvguard {argv[0]}: ", "kvguard COMMAND: ")
+    assert errors["run"] == errors["check-config"]
+    assert f"kvguard COMMAND: error: {path}: {problem}" in errors["run"]
+
+
+def test_run_usage_errors_exit_2_and_its_help_says_the_codes(tmp_path, capsys, monkeypatch):
+    """No config named, or supervisor mode without the engine command: 2; --help lists 0/1/2."""
+    monkeypatch.delenv("KVGUARD_CONFIG", raising=False)
+    assert main(["run"]) == EXIT_BAD_INPUT
+    assert "--config: give a config file or set KVGUARD_CONFIG" in capsys.readouterr().err
+    path = tmp_path / "kvguard.toml"
+    path.write_text('[engine]\nurl = "http://127.0.0.1:1"\n[reconfigure]\nmode = "supervisor"\n')
+    assert main(["run", "--config", str(path)]) == EXIT_BAD_INPUT
+    assert "needs the engine command" in capsys.readouterr().err
+    helptext = subprocess.run(
+        [KVGUARD, "run", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    flat = " ".join(helptext.split())
+    assert "Exit 0: stopped by SIGTERM or SIGINT; 1: the config is invalid" in flat
+    assert "2: a usage error" in flat

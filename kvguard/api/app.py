@@ -20,6 +20,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvguard.actuators.mitigations import request_priority
 from kvguard.api.control import Control
+from kvguard.api.logs import json_finite, strict_json
 from kvguard.api.status import status_document, tick_age_s
 from kvguard.api.telemetry import daemon_registry
 from kvguard.config.fields import is_loopback
@@ -130,8 +131,9 @@ async def status(request: web.Request) -> web.Response:
     server = doc["config"]["server"]
     if server.get("control_token_file") is not None:
         server["control_token_file"] = "***"  # noqa: S105 - a mask, not a password
-    doc["control"] = request.app[CONTROL_KEY].status_section()
-    return web.json_response(doc)
+    doc["control"] = json_finite(request.app[CONTROL_KEY].status_section())
+    # Strict JSON: a non-finite number that escaped json_finite fails loudly here.
+    return web.json_response(doc, dumps=strict_json)
 
 
 async def admission(request: web.Request) -> web.Response:

@@ -68,17 +68,22 @@ def finite_numbers(
     null, its unit stays in the key's name.
     """
     for key, value in event_dict.items():
-        event_dict[key] = _finite(value)
+        event_dict[key] = json_finite(value)
     return event_dict
 
 
-def _finite(value: object) -> object:
+def json_finite(value: object) -> Any:  # noqa: ANN401 - any JSON-ready value, as given
+    """``value`` with every non-finite float (``inf``, ``nan``), however deep, as None.
+
+    Mappings and sequences are copied (tuples become lists, as JSON writes them);
+    everything else is returned as it is. The log lines and ``/status`` both go through it.
+    """
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: json_finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [json_finite(v) for v in value]
     return value
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from kvguard.api.budget_report import budget_to_dict
+from kvguard.api.logs import json_finite
 
 if TYPE_CHECKING:
     from kvguard.runtime.daemon import Daemon
@@ -25,7 +26,17 @@ def tick_age_s(daemon: Daemon) -> float | None:
 
 
 def status_document(daemon: Daemon) -> dict[str, Any]:
-    """The /status JSON: config (redacted), budget, latest snapshot, staleness, reconciliation."""
+    """The /status JSON: config (redacted), budget, latest snapshot, staleness, reconciliation.
+
+    Strict JSON: every non-finite number in it (a time to exhaustion that never comes is
+    +Inf) is null, wherever it sits, so ``json.dumps(..., allow_nan=False)`` and strict
+    parsers (``jq``, Go's, JavaScript's ``JSON.parse``) take it.
+    """
+    document: dict[str, Any] = json_finite(_document(daemon))
+    return document
+
+
+def _document(daemon: Daemon) -> dict[str, Any]:
     state = daemon.state
     snapshot = state.snapshot
     budget = None
@@ -111,6 +122,8 @@ def _pressure(daemon: Daemon) -> dict[str, Any] | None:
             "preemptions_per_s": fc.preemptions_per_s,
         },
         "active": brain.active_actions(),
+        # Their signals hold the times to exhaustion as the policy saw them (+Inf: not
+        # rising): status_document writes them null.
         "decisions": [record.as_dict() for record in reversed(brain.decisions)],
     }
 
@@ -199,7 +212,7 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
 
 def _finite(value: float) -> float | None:
     """JSON has no infinity: +Inf ("not rising") is null."""
-    return None if math.isinf(value) else value
+    return value if math.isfinite(value) else None
 
 
 def _engine(daemon: Daemon) -> dict[str, Any] | None:

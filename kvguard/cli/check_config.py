@@ -57,13 +57,9 @@ def run_check_config(args: argparse.Namespace) -> int:
     or with ``--strict-secrets`` errors like any other problem (exit 1).
     """
     try:
-        config = load_config(args.file, strict_secrets=args.strict_secrets)
+        config = checked_config(args.file, strict_secrets=args.strict_secrets)
     except ConfigError as exc:
-        _print_problems(_with_model_problems(exc, args.file))
-        return EXIT_INVALID
-    budget_problems = _budget_problems(config)
-    if budget_problems:
-        _print_problems(ConfigError(config.source, budget_problems))
+        print_problems("check-config", exc)
         return EXIT_INVALID
     for exposed in exposed_secrets(config):
         field, name, allowed = exposed.problem()
@@ -90,9 +86,26 @@ def run_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_problems(exc: ConfigError) -> None:
+def checked_config(path: str | None, *, strict_secrets: bool = False) -> Config:
+    """The config at ``path`` (else ``$KVGUARD_CONFIG``), checked as ``check-config`` checks it.
+
+    Raises :class:`ConfigError` listing every problem at once: the file's, and those of
+    budgeting the model it names (``kvguard run`` refuses the same configs).
+    """
+    try:
+        config = load_config(path, strict_secrets=strict_secrets)
+    except ConfigError as exc:
+        raise _with_model_problems(exc, exc.source) from None
+    budget_problems = _budget_problems(config)
+    if budget_problems:
+        raise ConfigError(config.source, budget_problems)
+    return config
+
+
+def print_problems(command: str, exc: ConfigError) -> None:
+    """One line per problem on stderr: ``kvguard COMMAND: error: FILE: field: …``."""
     for line in exc.lines():
-        print(f"kvguard check-config: error: {exc.source}: {line}", file=sys.stderr)
+        print(f"kvguard {command}: error: {exc.source}: {line}", file=sys.stderr)
 
 
 def _with_model_problems(exc: ConfigError, path: str) -> ConfigError:

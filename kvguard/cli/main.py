@@ -1,7 +1,8 @@
 """The ``kvguard`` command.
 
-Exit codes: 0 success; 2 bad input (one line on stderr says which input and why);
-3 ``budget --check`` found a budget that does not fit.
+Exit codes: 0 success; 1 what a command reports as failed (``check-config`` and ``run``:
+an invalid config; ``probe``, ``status``: nothing could be read); 2 bad input (one line on
+stderr says which input and why); 3 ``budget --check`` found a budget that does not fit.
 """
 
 from __future__ import annotations

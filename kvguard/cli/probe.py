@@ -8,6 +8,7 @@ import json
 import os
 from dataclasses import asdict, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvguard.api.logs import configure_logging
 from kvguard.config.settings import CONFIG_ENV, Config, config_for_engine, load_config
@@ -32,7 +33,8 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     probe.add_argument(
         "--engine-url",
         metavar="URL",
-        help="the engine's base URL, the scheme optional (default: [engine] url of --config)",
+        help="the engine's base URL: http(s)://HOST:PORT, or HOST:PORT (http assumed)"
+        " (default: [engine] url of --config)",
     )
     probe.add_argument(
         "--config",
@@ -68,17 +70,40 @@ def run_probe(args: argparse.Namespace) -> int:
     return 0 if document["sources"]["engine"]["ok"] else 1
 
 
-def normalize_url(url: str) -> str:
-    """One spelling per kvguard: ``127.0.0.1:9108`` gets ``http://``, a trailing ``/`` goes."""
-    url = url.strip()
-    if "://" not in url:
-        url = "http://" + url
-    return url.rstrip("/")
+URL_ALLOWED = (
+    "must be an http:// or https:// URL with a host, or HOST:PORT without a scheme"
+    " (http:// is assumed)"
+)
+
+
+def normalize_url(url: str, flag: str = "--url") -> str:
+    """One spelling per kvguard: ``127.0.0.1:9108`` gets ``http://``, a trailing ``/`` goes.
+
+    Anything but http(s) with a host (another scheme, no host, a bad port, a query) is
+    a usage error: :class:`InvalidInputError` naming ``flag``, the command exits 2.
+    """
+    text = url.strip()
+    if "://" not in text:
+        text = "http://" + text
+    parts = urlsplit(text)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:  # not a number, or past 65535
+        port_ok = False
+    if (
+        parts.scheme.lower() not in ("http", "https")
+        or not parts.hostname
+        or not port_ok
+        or parts.query
+        or parts.fragment
+    ):
+        raise InvalidInputError(flag, url, URL_ALLOWED)
+    return text.rstrip("/")
 
 
 def _config(args: argparse.Namespace) -> Config:
     """What to probe: --engine-url alone, or a config file with --engine-url on top."""
-    url = None if args.engine_url is None else normalize_url(args.engine_url)
+    url = None if args.engine_url is None else normalize_url(args.engine_url, "--engine-url")
     if args.config is None and not os.environ.get(CONFIG_ENV):
         if url is None:
             raise InvalidInputError(

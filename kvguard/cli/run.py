@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
+import sys
 from typing import Any
 
 import structlog
 
 from kvguard.api.logs import configure_logging
-from kvguard.config.settings import Config, exposed_secrets, load_config
+from kvguard.cli.check_config import checked_config, print_problems
+from kvguard.config.settings import CONFIG_ENV, Config, exposed_secrets, load_config
 from kvguard.core.snapshot import Snapshot
 from kvguard.errors import ConfigError, KvguardError
-from kvguard.runtime.assembly import build_guard
+from kvguard.runtime.assembly import build_guard, restart_mode
 from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.event_loop import choose_loop
 from kvguard.runtime.event_loop import run as run_on_loop
 from kvguard.runtime.systemd import SystemdNotifier
 
 log = structlog.get_logger("kvguard.run")
+# An invalid config (as check-config's exit 1) or a failure to start or run; 2 is usage.
+EXIT_FAILED = 1
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
@@ -27,7 +32,11 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     run = commands.add_parser(
         "run",
         help="watch an engine and its GPUs: snapshot per tick, budget, /metrics, /status",
-        description="Run the kvguard daemon with the config from --config or $KVGUARD_CONFIG.",
+        description="Run the kvguard daemon with the config from --config or $KVGUARD_CONFIG."
+        " Exit 0: stopped by SIGTERM or SIGINT; 1: the config is invalid (every problem"
+        " listed, as check-config lists them), or kvguard failed to start or stopped on an"
+        " error (its address taken, say); 2: a usage error (a bad flag, no config named,"
+        ' [reconfigure] mode = "supervisor" without an engine command after --).',
     )
     run.add_argument("--config", metavar="FILE", help="TOML config (default: $KVGUARD_CONFIG)")
     run.add_argument(
@@ -52,25 +61,44 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
 
 
 def run_daemon(args: argparse.Namespace) -> int:
-    """Load the config and serve until SIGTERM/SIGINT."""
-    config = load_config(args.config, strict_secrets=args.strict_secrets)
-    configure_logging(config.log.level, config.log.format)
-    warn_exposed_secrets(config)
+    """Load the config and serve until SIGTERM/SIGINT.
+
+    Exit 0 when stopped by a signal; ``EXIT_FAILED`` (1) for an invalid config (every
+    problem on stderr, as ``kvguard check-config`` prints them) or a failure to start
+    or run; usage errors (no config named, a supervisor mode without the engine
+    command) raise, for the command's exit 2.
+    """
+    try:
+        config = checked_config(args.config, strict_secrets=args.strict_secrets)
+    except ConfigError as exc:
+        if not (args.config or os.environ.get(CONFIG_ENV)):
+            raise  # no config named at all: a usage error
+        print_problems("run", exc)
+        return EXIT_FAILED
     command = list(args.engine_command or ())
     if command[:1] == ["--"]:
         command = command[1:]
+    restart_mode(config, supervised=bool(command))  # a mode without its command: usage
+    configure_logging(config.log.level, config.log.format)
+    warn_exposed_secrets(config)
     loop = choose_loop()
-    return run_on_loop(
-        serve(
-            config,
-            config_path=config.source,
-            dry_run=args.dry_run,
-            engine_command=command or None,
-            strict_secrets=args.strict_secrets,
-            event_loop=loop,
-        ),
-        loop,
-    )
+    try:
+        return run_on_loop(
+            serve(
+                config,
+                config_path=config.source,
+                dry_run=args.dry_run,
+                engine_command=command or None,
+                strict_secrets=args.strict_secrets,
+                event_loop=loop,
+            ),
+            loop,
+        )
+    except ConfigError as exc:
+        print_problems("run", exc)
+    except KvguardError as exc:
+        print(f"kvguard run: error: {exc}", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def warn_exposed_secrets(config: Config) -> None:

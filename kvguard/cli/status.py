@@ -38,8 +38,9 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         nargs="+",
         action="extend",
         metavar="URL",
-        help="kvguard's address, the scheme optional (default: [server] listen of --config,"
-        f" else {DEFAULT_STATUS_URL}); several (--url A B, or --url repeated): one line per"
+        help="kvguard's address: http(s)://HOST:PORT, or HOST:PORT (http assumed); another"
+        " scheme is a usage error (default: [server] listen of --config, else"
+        f" {DEFAULT_STATUS_URL}); several (--url A B, or --url repeated): one line per"
         " engine, worst first",
     )
     status.add_argument(
@@ -354,16 +355,23 @@ def render_status(doc: dict[str, Any]) -> str:
 
 
 def pressure_lines(doc: dict[str, Any]) -> list[str]:
-    """Level, exhaustion forecast, binding resource, pattern, mitigations, last decision."""
+    """Level, binding resource, what exhausts first, pattern, mitigations, last decision.
+
+    ``binding`` is /status's ``pressure.binding_resource`` (what limits the engine now:
+    kv_cache, compute or none); ``exhausts first`` the resource the forecast sees
+    running out soonest, and when — a cache can fill while compute binds.
+    """
     pressure = doc.get("pressure")
     if not pressure:
         return ["Pressure (no decision yet)"]
     row = fleet_row("", doc)
-    exhausts = exhausts_in(row.time_to_exhaustion_s, "in {} s")
-    binding = row.exhausting or "none rising"
+    exhausts = exhausts_in(row.time_to_exhaustion_s, f"{row.exhausting} in {{}} s")
+    if row.time_to_exhaustion_s is not None and math.isinf(row.time_to_exhaustion_s):
+        exhausts = "nothing (not rising)"
     lines = [
         f"Pressure {pressure['level']} for {pressure.get('level_for_s', 0):.0f} s"
-        f"  exhausts {exhausts}  binding {binding}"
+        f"  binding {pressure.get('binding_resource') or 'unknown'}"
+        f"  exhausts first {exhausts}"
         f"  pattern {pressure.get('pattern', 'unknown')}"
         f"{'  (dry run: decides, acts on nothing)' if pressure.get('mode') == 'dry_run' else ''}",
     ]
