@@ -272,3 +272,19 @@ def test_the_expected_length_lies_between_what_is_written_and_the_ceiling(
     top = max(beyond, ceiling)
     assert min(beyond, top) - 1e-6 <= mean <= top + 1e-6
     assert 0.0 <= variance <= (top - min(beyond, top)) ** 2 / 4 + 1e-6
+
+
+@given(
+    st.lists(st.integers(1, 500), min_size=1, max_size=60),
+    st.lists(st.integers(1, 500), max_size=60),
+    st.sampled_from([0.5, 0.9, 0.95, 0.99, 1.0]),
+)
+def test_the_table_reads_the_same_quantile_as_the_estimate(ended, running, q):
+    """Admission reads the quantile off the table it reads the moments from: the same figure."""
+    lengths = ObservedLengths(LengthTerms(quantile=q, min_samples=1, window=100))
+    for tokens in ended:
+        lengths.observe(CHAT, tokens, tokens)
+    answers = [(CHAT, g) for g in running]
+    table = lengths.table(CHAT, answers)
+    assert table is not None
+    assert table.quantile(q) == lengths.estimate(CHAT, answers)

@@ -289,7 +289,9 @@ class Admission:
         # The answers still being written count too: early in a burst the short ones
         # end first, and the long ones of the same kind must not go unseen.
         running = self._inflight.running_answers() if tracked.kind is not None else []
-        learned = self.lengths.estimate(tracked.kind, running) if tracked.kind else None
+        # One estimate of the kind's lengths gives both its quantile and its moments.
+        table = self.lengths.table(tracked.kind, running) if tracked.kind else None
+        learned = table.quantile(self.settings.reserve_quantile) if table is not None else None
         per_sequence, source = rules.reserved_answer(
             max_tokens, learned.tokens if learned is not None else None, room
         )
@@ -298,7 +300,6 @@ class Admission:
         if source == "observed":
             # What it may really write, should it outrun the estimate (see accounting).
             tracked.output_ceiling = ceiling * sequences
-        table = self.lengths.table(tracked.kind, running) if tracked.kind else None
         if table is not None:
             if ceiling_source == "default" and table.lengths:
                 # 512 is a guess, not a limit: an answer may be as long as any seen.
@@ -314,9 +315,11 @@ class Admission:
         )
 
     def review_outrunners(self) -> None:
-        """Re-reserve each answer that ran past its learned length.
+        """Re-read where each answer will likely end; re-reserve each that ran past its length.
 
-        Called every tick. Such an answer is longer than most of its kind, and the
+        Called every tick. Each answer's expected length and its variance (what the
+        answers in flight are reserved at together) are read again given what it has
+        written. Such an answer is longer than most of its kind, and the
         long ones are what a pool runs out on: it is reserved again at the
         ``reserve_quantile`` of the answers of its kind known to be longer than what
         it has written (running and cut ones counted), else — fewer than
