@@ -56,6 +56,7 @@ def test_demo_crashes_unguarded_and_not_guarded(tmp_path):
     assert unguarded["crashed_at_s"] < 20
     assert guarded["engine_crashes"] == 0, guarded
     assert guarded["completed"] > 0
+    assert 0 <= guarded["shed_no_room"] <= guarded["shed"]
     # The terminal shows both runs as they happen, then the table (not a TTY: plain lines).
     assert "Run 1 of 2" in proc.stdout
     assert "Run 2 of 2" in proc.stdout
@@ -167,8 +168,18 @@ def test_summary_is_side_by_side():
     """Both columns, the crash time, and what it means."""
     base = dict.fromkeys(SUMMARY_KEYS, 0) | {"duration_s": 30.0, "crashed_at_s": None}
     unguarded = base | {"engine_crashes": 1, "crashed_at_s": 2.5, "completed": 12}
-    guarded = base | {"completed": 300, "shed": 40, "p50_latency_s": 0.8, "p99_latency_s": 3.1}
+    guarded = base | {
+        "completed": 300,
+        "shed": 40,
+        "shed_no_room": 25,
+        "p50_latency_s": 0.8,
+        "p99_latency_s": 3.1,
+    }
     text = render_summary(unguarded, guarded)
+    assert "25 of the shed found no room in the engine's pool" in text
+    assert any(
+        line.startswith("  no room in the pool") and "25" in line for line in text.splitlines()
+    )
     assert "without kvguard" in text
     assert "with kvguard" in text
     assert "1 (at 2.5 s)" in text

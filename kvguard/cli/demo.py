@@ -88,6 +88,7 @@ SUMMARY_KEYS = (
     "preemptions",
     "completed",
     "shed",
+    "shed_no_room",
     "clamped",
     "cancelled",
     "p50_latency_s",
@@ -111,8 +112,10 @@ class RunOutcome:
     """One run's result, as the summary and ``--json`` report it.
 
     ``shed``, ``clamped``, ``rejected`` and ``cancelled`` are kvguard's own counts (0
-    without it). ``failed`` counts requests that ended in any other error: lost in a
-    crash, cancelled mid-stream, an error from the engine. Latencies are end-to-end over
+    without it); ``shed_no_room`` are the sheds of admission (no room in the engine's
+    pool for the request, whatever the level), the rest were the ladder's. ``failed``
+    counts requests that ended in any other error: lost in a crash, cancelled
+    mid-stream, an error from the engine. Latencies are end-to-end over
     completed requests; None when none completed or the load had to be cut off.
     """
 
@@ -129,6 +132,7 @@ class RunOutcome:
     failed: int | None = None
     unfinished: int | None = None
     shed: int = 0
+    shed_no_room: int = 0
     clamped: int = 0
     rejected: int = 0
     cancelled: int = 0
@@ -401,6 +405,9 @@ def _record(
     if guard is not None:
         counters = guard.counters()
         outcome.shed = sum(counters.shed.values())
+        outcome.shed_no_room = sum(
+            n for (_, reason), n in counters.shed.items() if reason == "kv_pool_full"
+        )
         outcome.clamped = counters.clamped
         outcome.rejected = sum(counters.rejected.values())
         outcome.cancelled = sum(counters.cancelled.values())

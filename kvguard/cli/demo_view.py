@@ -260,6 +260,7 @@ _ROWS: tuple[tuple[str, str], ...] = (
     ("requests sent", "sent"),
     ("completed", "completed"),
     ("shed by kvguard (503)", "shed"),
+    ("  no room in the pool", "shed_no_room"),
     ("clamped (max_tokens)", "clamped"),
     ("rejected (window cap)", "rejected"),
     ("cancelled by kvguard", "cancelled"),
@@ -317,4 +318,10 @@ def _verdict(unguarded: Mapping[str, Any], guarded: Mapping[str, Any]) -> str:
             f" {guarded['completed']:,} completed, {guarded['shed']:,} shed,"
             f" {guarded['clamped']:,} clamped, {guarded['cancelled']:,} cancelled."
         )
+        if guarded.get("shed_no_room"):
+            # Admission sheds at any level: say so, or "level ok ... shed 53" reads as a lie.
+            second += (
+                f" {guarded['shed_no_room']:,} of the shed found no room in the engine's pool"
+                " (admission: whatever the level), the rest were shed by the pressure level."
+            )
     return first + "\n" + second

@@ -807,7 +807,13 @@ async def test_shedding_admits_what_fits_and_sheds_only_the_excess(sim_server, p
         await until(lambda: state.waiting == 1)
         async with await second as resp:
             assert resp.status == 503
-            assert (await resp.json())["error"]["code"] == "kv_cache_pressure"
+            error = (await resp.json())["error"]
+            assert error["code"] == "kv_cache_pressure"
+            # The figures a person checks: both requests' 704 tokens against the 1,000.
+            assert (
+                "projected 1,408 of the 1,000 KV tokens a shed class may fill (shed_ratio 1 of"
+                " the 1,000-token pool) with it, after holding it up to 0.3 s"
+            ) in error["message"], error["message"]
         assert state.waiting == 0
         async with await first as resp:
             assert resp.status == 200
@@ -850,6 +856,8 @@ async def test_the_whole_class_is_shed_at_once(sim_engine, proxy_to, pool_tokens
         http.post(f"{proxy}/v1/completions", json=completion(5, 3)) as resp,
     ):
         assert resp.status == 503  # at once: a wait of 600 s would time the test out
+        message = (await resp.json())["error"]["message"]
+        assert ("not known yet" if pool_tokens is None else "shed_ratio is 0") in message
     assert state.counters.shed == {("standard", "kv_cache_pressure"): 1}
 
 
@@ -873,6 +881,9 @@ async def test_held_requests_are_bounded(sim_server, proxy_to):
         async with await post() as resp:
             assert resp.status == 503
             assert state.waiting == len(held)  # answered while the others were still held
+            message = (await resp.json())["error"]["message"]
+            assert "are held for room already, the most kvguard holds (4 x shed_ratio 1" in message
+            assert "of the 1,000-token pool: 4,000)" in message
         for answer in await asyncio.gather(*held):
             assert answer.status == 503  # the first holds the pool for 3 s; the wait is 1 s
             answer.close()

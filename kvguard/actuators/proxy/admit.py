@@ -120,7 +120,7 @@ class Admission:
         # Cheap, before anything is parsed, so a flood of shed requests stays cheap: no
         # pool to measure against, or already HELD_POOLS pools' worth of requests held.
         if shed_class and not self.may_hold():
-            return self.shed(priority, request_id)
+            return self.shed(priority, request_id, self.not_held_reason())
         payload = await read_json(body, self.settings.max_body_values) if body else None
         chat = _reads_as_chat(shape, payload)
         malformed = _malformed_generation(payload, body, chat=chat)
@@ -247,7 +247,7 @@ class Admission:
             return (
                 self.refuse_draining(priority)
                 if self.draining()
-                else self.shed(priority, request_id)
+                else self.shed(priority, request_id, self.hold_failed_reason(tracked))
             )
         if not await self.make_room(tracked) and not self.draining():
             self._counters.shed[(priority, "kv_pool_full")] += 1
@@ -496,8 +496,41 @@ class Admission:
             headers={"Retry-After": str(retry_after)},
         )
 
-    def shed(self, priority: str, request_id: str) -> web.StreamResponse:
-        """The 503 for a request of a class the policy sheds now."""
+    def not_held_reason(self) -> str:
+        """Why a request of a shed class was not even held for room, in checkable figures."""
+        pool, ratio = self.mitigations.pool_tokens, self.settings.shed_ratio
+        if pool is None:
+            return "the engine's pool is not known yet, so none is held for room"
+        if ratio <= 0:
+            return "shed_ratio is 0: the whole class is shed"
+        bound = math.floor(pool * ratio * rules.HELD_POOLS)
+        return (
+            f"{self.held_tokens:,} KV tokens of requests are held for room already, the most"
+            f" kvguard holds ({rules.HELD_POOLS} x shed_ratio {ratio:g} of the {pool:,}-token"
+            f" pool: {bound:,})"
+        )
+
+    def hold_failed_reason(self, tracked: InflightRequest) -> str:
+        """Why a held request of a shed class found no room, in figures a person can check."""
+        pool, ratio = self.mitigations.pool_tokens, self.settings.shed_ratio
+        if pool is None or ratio <= 0:
+            return self.not_held_reason()
+        own, limit = self.own(tracked), math.floor(pool * ratio)
+        of = (
+            f"the {limit:,} KV tokens a shed class may fill"
+            f" (shed_ratio {ratio:g} of the {pool:,}-token pool)"
+        )
+        if own > limit:
+            return f"it alone reserves {own:,} tokens, more than {of}"
+        if not self.may_hold(own) and self.in_flight() + own > limit:
+            return self.not_held_reason()
+        return (
+            f"projected {self.in_flight() + own:,} of {of} with it, after holding it up to"
+            f" {self.settings.shed_wait_s:g} s"
+        )
+
+    def shed(self, priority: str, request_id: str, why: str = "") -> web.StreamResponse:
+        """The 503 for a request of a class the policy sheds now (``why``: the figures)."""
         self._counters.shed[(priority, "kv_cache_pressure")] += 1
         # One line per shed request would flood the log in a burst: debug level;
         # kvguard_requests_shed_total and the `decision` event tell the story.
@@ -510,7 +543,8 @@ class Admission:
         return _error(
             503,
             f"kvguard is shedding {priority} traffic: the KV cache is under pressure"
-            f" ({self.mitigations.level}); retry after {self.mitigations.retry_after_s} s",
+            f" ({self.mitigations.level}){'; ' + why if why else ''};"
+            f" retry after {self.mitigations.retry_after_s} s",
             "server_overloaded",
             code="kv_cache_pressure",
             headers={"Retry-After": str(self.mitigations.retry_after_s)},
