@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
+import structlog
 
 from kvguard.config.model_files import load_model_files
 from kvguard.core.budget import BudgetInputs, BudgetReport, plan_budget
@@ -29,11 +30,15 @@ def _root_logger_restored() -> Iterator[None]:
 
     configure_logging puts a bridge on the root logger and sets its level (aiohttp's
     and asyncio's records go through structlog): left there, it would change what
-    every later test in the session logs.
+    every later test in the session logs. structlog's own configuration is restored
+    too: a level filter left by ``kvguard run`` in-process (its usage-error tests)
+    would hide every later test's captured events.
     """
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    saved = structlog.get_config()
     yield
+    structlog.configure(**saved)
     for handler in [h for h in root.handlers if h not in handlers]:
         root.removeHandler(handler)
     root.setLevel(level)

@@ -419,7 +419,7 @@ async def test_a_request_waiting_for_room_holds_no_body_memory(front, upstream):
     finally:
         status, answer = await asyncio.wait_for(waiting, 10)
     assert status == 503, answer  # no room came within read_timeout_s
-    assert answer["error"]["code"] == "kv_cache_pressure"
+    assert answer["error"]["code"] == "kv_pool_full"  # admission's own code
 
 
 # ---------------------------------------------------------------------- slow clients
