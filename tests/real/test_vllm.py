@@ -408,7 +408,8 @@ def account(answers: list[Answer]) -> Counter[str]:
         assert answer.status in (400, 503), (answer.status, answer.raw)
         assert answer.error is not None, answer.raw  # an OpenAI-style error body
         assert answer.error["message"], answer.raw
-        assert answer.error["code"] in ("kv_cache_pressure", "kv_window_exceeded"), answer.raw
+        codes = ("kv_cache_pressure", "kv_pool_full", "kv_window_exceeded")
+        assert answer.error["code"] in codes, answer.raw
         if answer.status == 503:
             assert answer.retry_after is not None
             assert int(answer.retry_after) >= 1
