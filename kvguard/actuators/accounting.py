@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvguard.core.admission import pooled_reservation
+from kvguard.core.admission import pooled_reservation, whole_blocks
 from kvguard.core.histogram import TOKEN_BUCKETS, Histogram
 
 # Real tokenizers average ~4 bytes of English per token; 3 overestimates the prompt,
@@ -300,9 +300,9 @@ class Inflight:
         each = expected = 0
         variance = 0.0
         for r in self._requests.values():
-            each += -(-r.projected_tokens // block_size) * block_size
+            each += whole_blocks(r.projected_tokens, block_size)
             if quantile < 1.0:
-                expected += -(-r.expected_tokens // block_size) * block_size
+                expected += whole_blocks(r.expected_tokens, block_size)
                 variance += r.output_variance
         if quantile >= 1.0:
             return each
