@@ -50,3 +50,15 @@ def client_session(
         timeout=timeout if timeout is not None else DEFAULT_TIMEOUT,
         auto_decompress=auto_decompress,
     )
+
+
+def describe_client_error(exc: BaseException) -> str:
+    """An outbound request's failure in an operator's words.
+
+    A refused connection reads "nothing answers there (Connect call failed …)", not
+    aiohttp's "Cannot connect to host … ssl:default [...]" (no TLS was involved);
+    anything else is its type and message.
+    """
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"nothing answers there ({exc.strerror})"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

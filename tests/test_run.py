@@ -629,6 +629,50 @@ async def test_engine_and_nvml_faults_leave_the_loop_ticking(bad_engine):
         await daemon.close()
 
 
+async def test_status_says_the_pressure_is_unknown_while_the_engine_is_not_read(bad_engine):
+    """An engine that stops answering: no "ok … not rising … steady" headline.
+
+    `kvguard status` says the level is no measurement, and how old the last good read
+    is; before the first good read it says the engine was never read. A refused
+    connection reads "nothing answers there", not aiohttp's "ssl:default".
+    """
+    url, mode = bad_engine
+    dead = f"http://127.0.0.1:{free_port()}"
+    for engine_url in (dead, url):
+        config = parse_config({"engine": {"url": engine_url}, "poll": {"timeout_s": 0.3}}, env={})
+        probes = Probes(engine=EngineProbe(engine_url, timeout_s=0.3), nvml=None, host=None)
+        daemon = Daemon(config, probes=probes)
+        runner, api = await start_api(daemon)
+        try:
+            mode["now"] = "ok"
+            if engine_url == url:
+                await daemon.tick()  # one good read, then the engine fails
+                mode["now"] = "500"
+            await daemon.tick()
+            proc = await asyncio.create_subprocess_exec(
+                KVGUARD, "status", "--url", api, stdout=asyncio.subprocess.PIPE
+            )
+            out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            await runner.cleanup()
+            await daemon.close()
+        assert proc.returncode == 0  # kvguard itself was read
+        text = out.decode()
+        (pressure,) = [line for line in text.splitlines() if line.startswith("Pressure ")]
+        assert "binding" not in pressure
+        assert "not rising" not in pressure
+        if engine_url == dead:
+            assert pressure.startswith(
+                "Pressure UNKNOWN: the engine has not been read since kvguard started;"
+            )
+            assert "nothing answers there (" in text
+            assert "ssl:default" not in text
+        else:
+            unread = r"Pressure UNKNOWN: the engine's last good read is \d+ s old;"
+            assert re.match(unread, pressure)
+        assert "kvguard's level is ok for " in pressure
+
+
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 async def test_run_serves_the_proxy_when_enabled(sim_engine, tmp_path, loop):
     """`kvguard run` with [proxy] enabled forwards to the engine and accounts the requests.

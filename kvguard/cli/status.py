@@ -20,6 +20,7 @@ from kvguard.config.settings import CONFIG_ENV, load_config
 from kvguard.core.bars import text_bar
 from kvguard.core.units import format_bytes
 from kvguard.errors import KvguardError
+from kvguard.http_client import describe_client_error
 
 DEFAULT_STATUS_URL = "http://127.0.0.1:9108"
 
@@ -133,8 +134,7 @@ async def fetch_status(session: aiohttp.ClientSession, base_url: str) -> dict[st
             data: dict[str, Any] = await resp.json()
             return data
     except aiohttp.ClientConnectorError as exc:
-        # Not aiohttp's "Cannot connect to host … ssl:default [Connect call failed …]".
-        raise KvguardError(f"cannot read {url}: nothing answers there ({exc.strerror})") from exc
+        raise KvguardError(f"cannot read {url}: {describe_client_error(exc)}") from exc
     except (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
         raise KvguardError(f"cannot read {url}: {exc or type(exc).__name__}") from exc
 
@@ -207,7 +207,7 @@ def fleet_row(url: str, doc: dict[str, Any]) -> FleetRow:
     forecast = pressure.get("forecast") or {}
     tte: float | None = None
     exhausting = None
-    if pressure:
+    if pressure and engine_unread(doc) is None:  # no forecast without the engine's figures
         # /status writes +Inf (not rising) as null; a forecast that exists and is null
         # is therefore "not rising", not "unknown".
         candidates = [
@@ -314,7 +314,8 @@ def render_status(doc: dict[str, Any]) -> str:
         f"kvguard {doc['version']}{'  (dry run)' if doc.get('dry_run') else ''}"
         f"  up {doc['uptime_s']:.0f} s  ticks {tick['count']}"
         f"  next in {tick['next_interval_s']:g} s",
-        f"Engine   {doc['config']['engine']['url']}  kind {engine.get('kind', 'unknown')}"
+        f"Engine   {doc['config']['engine']['url']}"
+        f"  kind {engine.get('kind') or doc['config']['engine'].get('kind') or 'unknown'}"
         f"  up {engine.get('up', False)}",
     ]
     usage = engine.get("kv_cache_usage_ratio")
@@ -364,17 +365,27 @@ def pressure_lines(doc: dict[str, Any]) -> list[str]:
     pressure = doc.get("pressure")
     if not pressure:
         return ["Pressure (no decision yet)"]
-    row = fleet_row("", doc)
-    exhausts = exhausts_in(row.time_to_exhaustion_s, f"{row.exhausting} in {{}} s")
-    if row.time_to_exhaustion_s is not None and math.isinf(row.time_to_exhaustion_s):
-        exhausts = "nothing (not rising)"
-    lines = [
-        f"Pressure {pressure['level']} for {pressure.get('level_for_s', 0):.0f} s"
-        f"  binding {pressure.get('binding_resource') or 'unknown'}"
-        f"  exhausts first {exhausts}"
-        f"  pattern {pressure.get('pattern', 'unknown')}"
-        f"{'  (dry run: decides, acts on nothing)' if pressure.get('mode') == 'dry_run' else ''}",
-    ]
+    dry = "  (dry run: decides, acts on nothing)" if pressure.get("mode") == "dry_run" else ""
+    unread = engine_unread(doc)
+    if unread is not None:
+        # Without the engine's figures the level is no measurement: say so first, and
+        # what kvguard holds meanwhile, rather than "ok … not rising … steady".
+        lines = [
+            f"Pressure UNKNOWN: {unread}; kvguard's level is {pressure['level']}"
+            f" for {pressure.get('level_for_s', 0):.0f} s (with nothing read it steps"
+            f" down one level per hold time){dry}"
+        ]
+    else:
+        row = fleet_row("", doc)
+        exhausts = exhausts_in(row.time_to_exhaustion_s, f"{row.exhausting} in {{}} s")
+        if row.time_to_exhaustion_s is not None and math.isinf(row.time_to_exhaustion_s):
+            exhausts = "nothing (not rising)"
+        lines = [
+            f"Pressure {pressure['level']} for {pressure.get('level_for_s', 0):.0f} s"
+            f"  binding {pressure.get('binding_resource') or 'unknown'}"
+            f"  exhausts first {exhausts}"
+            f"  pattern {pressure.get('pattern', 'unknown')}{dry}",
+        ]
     active = pressure.get("active") or []
     lines.append(
         "Active   "
@@ -390,6 +401,20 @@ def pressure_lines(doc: dict[str, Any]) -> list[str]:
             + (f"; {reasons}" if reasons else "")
         )
     return lines
+
+
+def engine_unread(doc: dict[str, Any]) -> str | None:
+    """Why the engine's figures are missing ("the engine has not answered since …"), or None.
+
+    None when the last read of the engine succeeded (or /status names no engine source).
+    """
+    source = (doc.get("sources") or {}).get("engine")
+    if not source or source.get("ok", True):
+        return None
+    age = source.get("age_s")
+    if age is None:
+        return "the engine has not been read since kvguard started"
+    return f"the engine's last good read is {age:.0f} s old"
 
 
 def _action_text(action: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from yarl import URL
 
 from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats
 from kvguard.errors import InvalidInputError, ProbeError
-from kvguard.http_client import client_session
+from kvguard.http_client import client_session, describe_client_error
 from kvguard.probes.engines import ADAPTERS, EngineAdapter, EngineScrape
 from kvguard.probes.engines.base import KIND_PREFIXES, PROBE_NAME, detect_kind, health_path_for
 from kvguard.probes.engines.llamacpp import LlamacppAdapter
@@ -314,7 +314,7 @@ class EngineProbe:
             raise _UnavailableError(f"{url}: no answer within {self._timeout.total:g} s") from exc
         except _HTTP_ERRORS as exc:
             # aiohttp's messages name the host and the cause, never the headers.
-            raise _UnavailableError(f"{url}: {type(exc).__name__}: {exc}") from exc
+            raise _UnavailableError(f"{url}: {describe_client_error(exc)}") from exc
 
     async def _read_capped(self, response: aiohttp.ClientResponse, url: str) -> bytes:
         limit = self._max_body_bytes
