@@ -19,7 +19,8 @@ projections, or a quantile of their total where their expected lengths are known
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Literal
@@ -239,9 +240,19 @@ def admission_terms(
     return AdmissionTerms(ratio=admission_ratio, wait_s=admission_wait_s)
 
 
-def admits(in_flight: int, own: int, pool: int | None, ratio: float, *, critical: bool) -> bool:
+def admits(
+    in_flight: int,
+    own: int,
+    pool: int | None,
+    ratio: float,
+    *,
+    critical: bool,
+    with_it: int | None = None,
+) -> bool:
     """Whether admission lets a request of ``own`` tokens in now.
 
+    ``with_it`` is what the requests in flight and this one project together when
+    that is less than ``in_flight + own`` (their peak step by step: :class:`Envelope`).
     An unknown pool admits (the pool may become unknown while a request waits: the
     engine went away). A critical request larger than the whole pool would never
     fit: it goes in once nothing else is in flight, as the engine would take it alone.
@@ -250,7 +261,97 @@ def admits(in_flight: int, own: int, pool: int | None, ratio: float, *, critical
         return True
     if critical and not in_flight:
         return True
+    if with_it is not None:
+        return with_it <= pool * ratio
     return fits_pool(in_flight, own, pool, ratio)
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How one request's hold on the pool grows, engine step by engine step, until it ends.
+
+    A continuous-batching engine writes one token of every running sequence per step,
+    and frees all a request holds when it ends.
+    """
+
+    held: int  # tokens it holds now (each sequence's last block counted whole)
+    per_step: int  # tokens it adds per step: one per sequence being written
+    steps: int  # steps until it has written its whole reservation
+
+
+def growth(held: int, final: int, sequences: int, block_size: int) -> Growth:
+    """The :class:`Growth` of a request holding ``held`` tokens that may reach ``final``.
+
+    ``final`` is its projection (prompt + the answer reserved, every sequence).
+    """
+    per_step = max(sequences, 1)
+    steps = max(-(-(final - held) // per_step), 0)
+    # Engines allocate whole blocks: each sequence's last one may be mostly empty.
+    return Growth(held + (block_size - 1) * per_step, per_step, steps)
+
+
+class Envelope:
+    """The most a set of requests will hold at once from now on, each writing its reservation.
+
+    Summing every request's projection reserves as if all of them reached their end
+    at the same moment. They do not: a request that ends frees all it holds, and one
+    that has just begun holds only its prompt. Step by step, each holds what it
+    holds now plus a token per sequence per step, until it has written its whole
+    reservation and ends; the set holds the sum, which rises between two ends and
+    drops at each: its peak is just before one of them. A request that ends sooner
+    than its reservation only lowers every later step, so the peak is a bound for
+    any lengths within the reservations. Where answers of similar lengths start
+    apart (decode-heavy traffic) it is near half their projections' sum; where all
+    start together, the sum. Requests that wait in the engine's queue write later
+    than assumed: the error is their delay in steps times the tokens a step adds.
+    """
+
+    def __init__(self, growths: Iterable[Growth]) -> None:
+        items = sorted(growths, key=lambda g: g.steps)
+        self._steps = [g.steps for g in items]
+        count = len(items)
+        held = [0] * (count + 1)  # from k on: of those ending at or after steps[k]
+        rate = [0] * (count + 1)
+        for k in range(count - 1, -1, -1):
+            held[k] = held[k + 1] + items[k].held
+            rate[k] = rate[k + 1] + items[k].per_step
+        self._held, self._rate = held, rate
+        # What the set holds just before the k-th (by steps) ends.
+        self._at = [held[k] + self._steps[k] * rate[k] for k in range(count)]
+        # For a newcomer of one sequence: the most of at[k] + steps[k] over k < i.
+        self._best_one = [0] * (count + 1)
+        for k in range(count):
+            self._best_one[k + 1] = max(self._best_one[k], self._at[k] + self._steps[k])
+        # The most of at[k] over k >= i: the set's peaks after a newcomer has ended.
+        self._best_after = [0] * (count + 1)
+        for k in range(count - 1, -1, -1):
+            self._best_after[k] = max(self._best_after[k + 1], self._at[k])
+        self.peak = self._best_after[0]
+
+    def __len__(self) -> int:
+        """Requests in the set."""
+        return len(self._steps)
+
+    def peak_with(self, newcomer: Growth) -> int:
+        """The set's peak with ``newcomer`` in it too (at the same step count from now)."""
+        steps = newcomer.steps
+        before = bisect_right(self._steps, steps)  # those ending no later than it; then later
+        if not before:
+            best = 0
+        elif newcomer.per_step == 1:
+            best = self._best_one[before] + newcomer.held
+        else:
+            best = newcomer.held + max(
+                self._at[k] + newcomer.per_step * self._steps[k] for k in range(before)
+            )
+        later = bisect_left(self._steps, steps)  # those still running at its last step
+        last = (
+            self._held[later]
+            + steps * self._rate[later]
+            + newcomer.held
+            + newcomer.per_step * steps
+        )
+        return max(best, last, self._best_after[before])
 
 
 def in_flight_tokens(reserved: int, engine_used: int | None) -> int:

@@ -275,8 +275,8 @@ async def test_room_that_fits_several_waiting_requests_lets_them_all_in(sim_serv
     url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=10)
     most_at_once = 0
 
-    async def send(http: aiohttp.ClientSession, max_tokens: int, output: int) -> None:
-        async with http.post(f"{url}/v1/completions", json=body(10, max_tokens, output)) as resp:
+    async def send(http: aiohttp.ClientSession, payload: dict) -> None:
+        async with http.post(f"{url}/v1/completions", json=payload) as resp:
             assert resp.status == 200
             await resp.read()
 
@@ -287,11 +287,15 @@ async def test_room_that_fits_several_waiting_requests_lets_them_all_in(sim_serv
             await asyncio.sleep(0.002)
 
     async with aiohttp.ClientSession() as http:
-        first = asyncio.ensure_future(send(http, 880, 20))  # reserves 896 of 1,000
+        # A prompt of 850 token ids (counted exactly) and an answer of at most 100:
+        # it reserves 960 of 1,000, most of it from its first step on.
+        long_prompt = {"prompt": [7] * 850, "max_tokens": 100, SIM_OUTPUT_TOKENS_FIELD: 20}
+        first = asyncio.ensure_future(send(http, long_prompt))
         await _one_in_flight(proxy)
         waiting = []
-        for _ in range(3):  # 240 each: none fits beside the first, all three together do
-            waiting.append(asyncio.ensure_future(send(http, 220, 200)))
+        for _ in range(3):  # ~250 each, still growing when the first would end: none fits
+            # beside it (not even step by step); all three together do once it is gone
+            waiting.append(asyncio.ensure_future(send(http, body(10, 220, 200))))
             for _ in range(200):
                 if proxy.waiting == len(waiting):
                     break
@@ -355,3 +359,46 @@ async def test_answers_reserved_together_let_more_in_than_each_at_its_quantile(
     assert most > each_alone, (most, each_alone)
     assert pooled_below_each
     assert proxy.counters.shed == {}
+
+
+async def test_an_answer_far_along_leaves_room_for_one_that_starts_now(sim_server, proxy_to):
+    """Reserved in full, two answers of up to 600 tokens never fit a 1,000-token pool at once.
+
+    Step by step they do once the first has written enough: it ends, and frees all it
+    holds, before the second has grown much (kvguard.core.admission.Envelope). The
+    second waits while the first is young, and goes in at a tick's re-check while the
+    first is still being written — not when it ends.
+    """
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
+    mitigations = Mitigations(pool_tokens=1000, block_size=16)
+    url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=30)
+
+    async def send(http: aiohttp.ClientSession, payload: dict) -> None:
+        async with http.post(f"{url}/v1/completions", json=payload) as resp:
+            assert resp.status == 200
+            await resp.read()
+
+    async with aiohttp.ClientSession() as http:
+        # Streamed: the proxy sees each answer's tokens as they are written (a whole-JSON
+        # answer's length is known only at its end, so it counts as just begun).
+        first = asyncio.ensure_future(send(http, body(10, 600, 600, stream=True)))
+        older = await _one_in_flight(proxy)
+        second = asyncio.ensure_future(send(http, body(10, 600, 20, stream=True)))
+        for _ in range(200):
+            if proxy.waiting:
+                break
+            await asyncio.sleep(0.005)
+        assert proxy.waiting == 1  # the first is young: both would be near 600 at once
+        young_at = older.generated
+        written_when_admitted = None
+        while not second.done():
+            proxy.review_reservations()  # what the daemon does every tick
+            if written_when_admitted is None and len(proxy.inflight) == 2:
+                written_when_admitted = older.generated
+            await asyncio.sleep(0.02)
+        await second
+        assert not first.done()  # in while the first was still being written
+        await first
+    assert young_at < 200
+    assert written_when_admitted is not None
+    assert 200 <= written_when_admitted < 600

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from kvguard.core.admission import (
     HELD_POOLS,
     AdmissionTerms,
+    Envelope,
+    Growth,
     WindowOutcome,
     admission_enforced,
     admission_terms,
@@ -18,6 +20,7 @@ from kvguard.core.admission import (
     apply_window,
     caps_for,
     fits_pool,
+    growth,
     may_hold,
     needs_exact_count,
     overrun_cancels,
@@ -229,3 +232,75 @@ def test_the_pooled_reservation_covers_the_expected_total_and_never_exceeds_each
     reserved = pooled_reservation(each, expected, variance, quantile)
     assert expected <= reserved <= each
     assert reserved <= pooled_reservation(each, expected, variance, min(1.0, quantile + 0.01))
+
+
+def _held_at(growths: list[Growth], step: int) -> int:
+    """What the set holds ``step`` steps from now, each request counted until it ends."""
+    return sum(g.held + g.per_step * step for g in growths if step <= g.steps)
+
+
+def _brute_peak(growths: list[Growth]) -> int:
+    return max(
+        (_held_at(growths, s) for s in range(max((g.steps for g in growths), default=0) + 1)),
+        default=0,
+    )
+
+
+def test_the_envelope_peaks_just_before_an_end_not_at_the_sum_of_ends():
+    """Two answers started apart: the set never holds both whole at once.
+
+    A holds 100 and ends in 300 steps (at 400); B holds 50 and ends in 100 (at 150).
+    Summed, 550; step by step, just before B ends they hold 200 + 150 = 350, and
+    just before A ends, A alone: 400.
+    """
+    a, b = Growth(held=100, per_step=1, steps=300), Growth(held=50, per_step=1, steps=100)
+    envelope = Envelope([a, b])
+    assert envelope.peak == 400
+    # A newcomer of 10 + 250 steps: its end (260) beside A's 100 + 250 = 350: 610;
+    # before that, B's end: 200 + 150 + 110 = 460; A's end comes after it.
+    assert envelope.peak_with(Growth(held=10, per_step=1, steps=250)) == 610
+    # Started together and ending together, it is the sum: nothing is given back.
+    same = [Growth(held=100, per_step=2, steps=50)] * 3
+    assert Envelope(same).peak == 3 * (100 + 2 * 50)
+    assert Envelope([]).peak == 0
+    assert Envelope([]).peak_with(Growth(held=7, per_step=3, steps=5)) == 22
+
+
+def test_a_growth_counts_each_sequence_s_last_block_whole():
+    """4 sequences, 16-token blocks: 60 tokens more than held; 100 to go at 4 a step."""
+    g = growth(held=200, final=600, sequences=4, block_size=16)
+    assert g == Growth(held=200 + 15 * 4, per_step=4, steps=100)
+    assert growth(held=700, final=600, sequences=1, block_size=1).steps == 0  # past it
+
+
+_growths = st.lists(
+    st.builds(
+        Growth,
+        held=st.integers(0, 500),
+        per_step=st.integers(1, 4),
+        steps=st.integers(0, 60),
+    ),
+    max_size=8,
+)
+
+
+@given(
+    _growths,
+    st.builds(
+        Growth, held=st.integers(0, 500), per_step=st.integers(1, 4), steps=st.integers(0, 60)
+    ),
+)
+def test_the_envelope_is_the_step_by_step_maximum_and_never_over_the_sum(growths, newcomer):
+    """Against a brute-force walk over every step; and never more than the projections' sum."""
+    envelope = Envelope(growths)
+    assert envelope.peak == _brute_peak(growths)
+    assert envelope.peak_with(newcomer) == _brute_peak([*growths, newcomer])
+    summed = sum(g.held + g.per_step * g.steps for g in [*growths, newcomer])
+    assert envelope.peak_with(newcomer) <= summed
+
+
+def test_admits_takes_the_step_by_step_projection_when_given():
+    """``with_it`` replaces in_flight + own; a lone critical request still goes in."""
+    assert admits(900, 500, 1000, 1.0, critical=False, with_it=1000)
+    assert not admits(900, 50, 1000, 1.0, critical=False, with_it=1001)
+    assert admits(0, 5000, 1000, 1.0, critical=True, with_it=5000)

@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -73,7 +74,7 @@ class Admission:
         self.waiting = 0
         # Requests waiting for admission: class rank (mitigations.rank) -> their
         # tickets (arrival order) -> their own projections; and the next ticket.
-        self._waiting_ranks: dict[int, dict[int, int]] = {}
+        self._waiting_ranks: dict[int, dict[int, InflightRequest]] = {}
         self._tickets = 0
         # The engine's count of what it held at the previous tick: its growth.
         self._last_used: int | None = None
@@ -419,12 +420,14 @@ class Admission:
         if not self.admission_enforced():
             return True
         critical = tracked.priority == "critical"
+        projection = self.projection()
         return rules.admits(
-            self.in_flight(),
+            projection.in_flight,
             self.own(tracked),
             self.mitigations.pool_tokens,
             self._terms(critical=critical).ratio,
             critical=critical,
+            with_it=projection.with_it(tracked),
         )
 
     def _terms(self, *, critical: bool) -> rules.AdmissionTerms:
@@ -449,7 +452,8 @@ class Admission:
         limit = math.floor(pool * ratio)
         own = self.own(tracked)
         reserved = self.reserved()
-        in_flight = self.in_flight()
+        projection = self.projection()
+        in_flight, with_it = projection.in_flight, projection.with_it(tracked)
         of = f"the {limit:,} KV tokens admission fills ({ratio:g} of the {pool:,}-token pool)"
         sized = f"; its answer reserved at {tracked.reserved_from}" if tracked.reserved_from else ""
         quantile = self._pooling_quantile()
@@ -462,10 +466,15 @@ class Admission:
             )
         if own > limit:
             return f"it alone reserves {own:,} tokens, more than {of}{sized}"
-        why = f"projected {in_flight + own:,} of {of} with it"
-        if in_flight > reserved:
+        why = f"projected {with_it:,} of {of} with it"
+        if with_it < in_flight + own:
+            why += (
+                f" (at its peak, step by step: the {in_flight + own:,} reserved in all"
+                " are never held at once)"
+            )
+        elif in_flight > reserved:
             why += f" (in flight per the engine's own count: {in_flight:,})"
-        if in_flight + own <= limit:
+        if with_it <= limit:
             why = f"the room that freed went to higher classes or newer requests waiting ({why})"
         return f"{why}, after waiting {self.settings.admission_wait_s:g} s{sized}"
 
@@ -522,10 +531,11 @@ class Admission:
         )
         if own > limit:
             return f"it alone reserves {own:,} tokens, more than {of}"
-        if not self.may_hold(own) and self.in_flight() + own > limit:
+        with_it = self.projection().with_it(tracked)
+        if not self.may_hold(own) and with_it > limit:
             return self.not_held_reason()
         return (
-            f"projected {self.in_flight() + own:,} of {of} with it, after holding it up to"
+            f"projected {with_it:,} of {of} with it, after holding it up to"
             f" {self.settings.shed_wait_s:g} s"
         )
 
@@ -576,22 +586,50 @@ class Admission:
         return self.settings.reserve_quantile if self.settings.admission == "observed" else 1.0
 
     def reserved(self) -> int:
-        """What the in-flight requests are reserved at together (before the engine's floor)."""
+        """What the in-flight requests are reserved at together (before the engine's floor).
+
+        Their projections summed (or pooled: :meth:`own`), or what they hold at their
+        peak step by step (:class:`~kvguard.core.admission.Envelope`), the lesser.
+        """
+        return min(self._summed(), self._envelope().peak)
+
+    def _summed(self) -> int:
         return self._inflight.projected_tokens(
             self.mitigations.block_size, self._pooling_quantile()
         )
 
-    def room_under(self, ratio: float, own: int) -> bool:
-        """Whether in-flight projections plus ``own`` tokens stay within ``ratio`` of the pool."""
-        mitigations = self.mitigations
-        pool = mitigations.pool_tokens
+    def _envelope(self) -> rules.Envelope:
+        return rules.Envelope(self.growth(r) for r in self._inflight)
+
+    def growth(self, tracked: InflightRequest) -> rules.Growth:
+        """How ``tracked``'s hold on the pool grows step by step to its projection."""
+        block = self.mitigations.block_size
+        return rules.growth(
+            tracked.footprint_tokens,
+            rules.whole_blocks(tracked.projected_tokens, block),
+            tracked.sequences,
+            block,
+        )
+
+    def projection(self) -> Projection:
+        """What is in flight now, and with one more request: one reading for many checks."""
+        used = self.mitigations.engine_used_tokens
+        summed = rules.in_flight_tokens(self._summed(), used)
+        # The engine's count above what the proxy's requests hold: traffic that
+        # bypasses the proxy. It holds on for as long as anything can tell.
+        unseen = 0 if used is None else max(used - self._inflight.total_tokens, 0)
+        return Projection(summed, self._envelope(), unseen, self)
+
+    def room_under(self, ratio: float, tracked: InflightRequest) -> bool:
+        """Whether in-flight projections with ``tracked`` stay within ``ratio`` of the pool."""
+        pool = self.mitigations.pool_tokens
         if pool is None:
             return False  # no room to show; and no need to sum what is in flight
-        return rules.fits_pool(self.in_flight(), own, pool, ratio)
+        return self.projection().with_it(tracked) <= pool * ratio
 
     def in_flight(self) -> int:
         """Tokens in flight: the requests' projections, never under the engine's own count."""
-        return rules.in_flight_tokens(self.reserved(), self.mitigations.engine_used_tokens)
+        return self.projection().in_flight
 
     def may_hold(self, own: int = 0) -> bool:
         """Whether a request of a shed class (``own`` tokens, 0 while not yet known) may be held."""
@@ -611,7 +649,7 @@ class Admission:
         # Checked again here, with nothing awaited between the check and the add: in a
         # burst, many requests pass admit's early check together while their prompts
         # are tokenized, and would all be held past the bound.
-        if not self.room_under(self.settings.shed_ratio, own) and not self.may_hold(own):
+        if not self.room_under(self.settings.shed_ratio, tracked) and not self.may_hold(own):
             return False
         self.held_tokens += own
         try:
@@ -620,7 +658,7 @@ class Admission:
                     # A release (the ladder's or an operator's) lets it in at once.
                     lambda: (
                         not self.mitigations.sheds(tracked.priority)
-                        or self.room_under(self.settings.shed_ratio, own)
+                        or self.room_under(self.settings.shed_ratio, tracked)
                     ),
                     self.settings.shed_wait_s,
                 )
@@ -679,7 +717,8 @@ class Admission:
             if any(waiting for r, waiting in self._waiting_ranks.items() if r > own_rank):
                 return False
             # Re-read at each check: the pool may become unknown while waiting.
-            in_flight, pool = self.in_flight(), mitigations.pool_tokens
+            projection, pool = self.projection(), mitigations.pool_tokens
+            in_flight = projection.in_flight
             # Within a class, the newest that fits first ("adaptive LIFO", Facebook's
             # "Fail at Scale"): a queue only forms under overload, and then the request
             # that just came can still be answered in time, while the one that waited
@@ -688,11 +727,25 @@ class Admission:
             same = self._waiting_ranks.get(own_rank, {})
             if any(
                 other > ticket
-                and rules.admits(in_flight, size, pool, terms.ratio, critical=critical)
-                for other, size in same.items()
+                and rules.admits(
+                    in_flight,
+                    self.own(newer),
+                    pool,
+                    terms.ratio,
+                    critical=critical,
+                    with_it=projection.with_it(newer),
+                )
+                for other, newer in same.items()
             ):
                 return False
-            return rules.admits(in_flight, own, pool, terms.ratio, critical=critical)
+            return rules.admits(
+                in_flight,
+                own,
+                pool,
+                terms.ratio,
+                critical=critical,
+                with_it=projection.with_it(tracked),
+            )
 
         if fits():
             return True
@@ -700,7 +753,7 @@ class Admission:
         if not critical and pool is not None and own > pool * terms.ratio:
             return False  # it could never fit: waiting would only block the others
         waiting = self._waiting_ranks.setdefault(own_rank, {})
-        waiting[ticket] = own
+        waiting[ticket] = tracked
         admitted = False
         try:
             admitted = await self.wait_until(fits, terms.wait_s)
@@ -717,7 +770,8 @@ class Admission:
 
     def _someone_fits(self) -> bool:
         """Whether a request waiting for room would fit it now (the highest class waiting)."""
-        in_flight, pool = self.in_flight(), self.mitigations.pool_tokens
+        projection, pool = self.projection(), self.mitigations.pool_tokens
+        in_flight = projection.in_flight
         for own_rank in sorted(self._waiting_ranks, reverse=True):
             waiting = self._waiting_ranks[own_rank]
             if not waiting:
@@ -726,10 +780,44 @@ class Admission:
             ratio = self._terms(critical=critical).ratio
             # A lower class waits while this one does: only this class can go now.
             return any(
-                rules.admits(in_flight, size, pool, ratio, critical=critical)
-                for size in waiting.values()
+                rules.admits(
+                    in_flight,
+                    self.own(waiter),
+                    pool,
+                    ratio,
+                    critical=critical,
+                    with_it=projection.with_it(waiter),
+                )
+                for waiter in waiting.values()
             )
         return False
+
+
+@dataclass
+class Projection:
+    """What the in-flight requests project, read once for several admission checks.
+
+    Two bounds of what they will hold at once, the lesser taken: their projections
+    summed (pooled under ``observed``), never under the engine's count; and their
+    peak step by step (:class:`~kvguard.core.admission.Envelope`) plus what the
+    engine holds beyond them.
+    """
+
+    summed: int
+    envelope: rules.Envelope
+    unseen: int
+    admission: Admission
+
+    @property
+    def in_flight(self) -> int:
+        """Tokens in flight now: the lesser bound."""
+        return min(self.summed, self.envelope.peak + self.unseen)
+
+    def with_it(self, tracked: InflightRequest) -> int:
+        """Tokens in flight with ``tracked`` admitted too: the lesser bound."""
+        own = self.admission.own(tracked)  # first: it sets a missing max_tokens
+        peak = self.envelope.peak_with(self.admission.growth(tracked)) + self.unseen
+        return min(self.summed + own, peak)
 
 
 def _reads_as_chat(shape: str, payload: object) -> bool:

@@ -132,6 +132,8 @@ class AdmissionProxy:
     def review_reservations(self) -> int:
         """Each tick: re-read each answer's expected end, re-reserve outrunners, cancel overruns.
 
+        Requests waiting for room re-check then too.
+
         Outrunners are answers past their learned length.
 
         Returns how many were cancelled (``kvguard_requests_cancelled_total{reason=
@@ -143,6 +145,10 @@ class AdmissionProxy:
         victims = admission.overrunning()
         for victim in victims:
             self._cancel(victim, "overrun")
+        if admission.waiting:
+            # Room grows between ends too: the answers in flight came closer to theirs,
+            # so their peak step by step is lower (kvguard.core.admission.Envelope).
+            admission.wake()
         return len(victims)
 
     @web.middleware
