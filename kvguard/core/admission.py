@@ -11,8 +11,9 @@ Terms: a request's *projection* is its prompt plus the answer reserved for it
 summed over its sequences (:func:`sequence_totals`), in whole KV blocks; *in flight*
 is what the requests the engine has now are reserved at together — the sum of their
 projections, or a quantile of their total where their expected lengths are known
-(:func:`pooled_reservation`) — never less than what the engine says it holds
-(:func:`in_flight_tokens`); the *pool* is the engine's usable KV cache in tokens,
+(:func:`pooled_reservation`), never less than what the engine says it holds
+(:func:`in_flight_tokens`); or, where less, the most they will hold at once step by
+step (:class:`Envelope`); the *pool* is the engine's usable KV cache in tokens,
 ``None`` while unknown.
 """
 
