@@ -389,3 +389,76 @@ def overrun_cancels(
         growth = max(growth - share, 0.0)
         cancels += 1
     return cancels
+
+
+# Intervals the steps ahead are cut into for the spread bound: finer costs more per
+# check (it is computed only when the cheaper bounds refuse), coarser counts more
+# growth within each interval than there is.
+SPREAD_INTERVALS = 32
+
+
+def step_grid(horizon: int, intervals: int = SPREAD_INTERVALS) -> list[int]:
+    """Steps from 0 to ``horizon`` cutting it into at most ``intervals`` intervals."""
+    horizon = max(horizon, 1)
+    cuts = min(intervals, horizon)
+    return [horizon * j // cuts for j in range(cuts + 1)]
+
+
+def spread_terms(
+    g: Growth, grid: Sequence[int], chances: Sequence[float] | None
+) -> tuple[list[float], list[float]]:
+    """One request's (sizes, chances) per interval of ``grid`` for :class:`SpreadProfile`.
+
+    Within an interval it holds at most what it holds at the interval's end (it
+    grows, up to ``g.steps``), and only while still being written: ``chances[j]`` is
+    the chance it still is at the interval's start (the chance falls, so that is the
+    most of it). Without ``chances`` it is written to its end for sure.
+    """
+    sizes, odds = [], []
+    for j in range(len(grid) - 1):
+        sizes.append(float(g.held + g.per_step * min(grid[j + 1], g.steps)))
+        if chances is None:
+            odds.append(1.0 if grid[j] <= g.steps else 0.0)
+        else:
+            odds.append(chances[j] if grid[j] <= g.steps else 0.0)
+    return sizes, odds
+
+
+class SpreadProfile:
+    """A high quantile of what a set of requests will hold, interval by interval ahead.
+
+    Where answers' lengths are known as a distribution (not only a quantile each),
+    each request's hold at a step is its size then if it is still being written, else
+    nothing: a sum of independent terms, so the set's hold at each step is bounded by
+    its mean plus ``z`` standard deviations (as :func:`pooled_reservation` bounds the
+    total, but in time: answers that will likely have ended free their room). The
+    peak over the intervals is the bound. Requests whose end is certain (nothing
+    learned) count in full until it.
+    """
+
+    def __init__(
+        self, grid: Sequence[int], terms: Iterable[tuple[list[float], list[float]]], z: float
+    ) -> None:
+        self.grid = list(grid)
+        count = len(self.grid) - 1
+        self._mean = [0.0] * count
+        self._var = [0.0] * count
+        self.z = z
+        for sizes, odds in terms:
+            for j in range(count):
+                size, p = sizes[j], odds[j]
+                if p > 0.0:
+                    self._mean[j] += size * p
+                    self._var[j] += size * size * p * (1.0 - p)
+
+    def peak_with(self, sizes: Sequence[float] = (), odds: Sequence[float] = ()) -> int:
+        """The bound's peak with one more request's terms (none: the set's own)."""
+        best = 0.0
+        for j in range(len(self._mean)):
+            mean, var = self._mean[j], self._var[j]
+            if sizes:
+                size, p = sizes[j], odds[j]
+                mean += size * p
+                var += size * size * p * (1.0 - p)
+            best = max(best, mean + self.z * math.sqrt(max(var, 0.0)))
+        return math.ceil(best)

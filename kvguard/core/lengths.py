@@ -355,6 +355,29 @@ class LengthTable:
         variance = (second + capped * top * top) / total - mean * mean
         return mean, max(variance, 0.0)
 
+    def still_writing(
+        self, written: int, ceiling: int, lengths: Iterable[int]
+    ) -> list[float] | None:
+        """For each length, the chance an answer ``written`` tokens long reaches it.
+
+        ``P(L >= x | L > written)``, the answer's end ``L`` at most ``ceiling`` (longer
+        lengths and the unknown tail end there): 0 past the ceiling. None when nothing
+        is known past ``written`` (it is longer than every answer seen to end, and
+        none is estimated longer): the caller assumes the ceiling.
+        """
+        top = max(ceiling, written)
+        total = self._m0[-1] + self.tail
+
+        def at_least(x: int) -> float:
+            if x > top:
+                return 0.0
+            return total - self._m0[bisect_left(self.lengths, x)]
+
+        known = at_least(written + 1)
+        if known <= 1e-12:
+            return None
+        return [min(at_least(x) / known, 1.0) if x > written else 1.0 for x in lengths]
+
 
 def censored_quantile(
     ended: list[int], running: list[int], q: float, beyond: int = 0

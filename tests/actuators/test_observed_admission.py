@@ -402,3 +402,42 @@ async def test_an_answer_far_along_leaves_room_for_one_that_starts_now(sim_serve
     assert young_at < 200
     assert written_when_admitted is not None
     assert 200 <= written_when_admitted < 600
+
+
+async def test_answers_that_will_likely_have_ended_free_their_room_ahead(sim_server, proxy_to):
+    """Learned lengths spread from 100 to 1,000 tokens: p95 is near the ceiling for each.
+
+    Reserved each at p95 (about 1,000), four fit a 4,000-token pool; pooled at the p95
+    of their total, five. Step by step, each fresh answer holds its prompt plus what
+    it has written, and by the time it could be long most of its peers will have ended
+    (a third of them by step 400): the mean plus z deviations of what they hold at
+    each step ahead peaks far lower, and eight go in at once
+    (kvguard.core.admission.SpreadProfile).
+    """
+    server = await sim_server(
+        kv_capacity_tokens=65536, max_model_len=2048, step_fixed_s=0.0005, per_token_s=0.00001
+    )
+    mitigations = Mitigations(pool_tokens=100_000, block_size=16)
+    url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=10)
+    most_at_once = 0
+
+    async def send(http: aiohttp.ClientSession, output: int) -> None:
+        payload = body(10, 1000, output, stream=True)
+        async with http.post(f"{url}/v1/completions", json=payload) as resp:
+            assert resp.status == 200
+            await resp.read()
+
+    async def watch() -> None:
+        nonlocal most_at_once
+        while True:
+            most_at_once = max(most_at_once, len(proxy.inflight))
+            await asyncio.sleep(0.002)
+
+    async with aiohttp.ClientSession() as http:
+        # 24 answers, 100 to 1,000 tokens, learned with room for all of them.
+        await asyncio.gather(*(send(http, 100 + 900 * i // 23) for i in range(24)))
+        mitigations.pool_tokens = 4000
+        watcher = asyncio.ensure_future(watch())
+        await asyncio.gather(*(send(http, 600) for _ in range(8)))
+        watcher.cancel()
+    assert most_at_once == 8

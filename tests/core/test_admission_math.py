@@ -13,6 +13,7 @@ from kvguard.core.admission import (
     AdmissionTerms,
     Envelope,
     Growth,
+    SpreadProfile,
     WindowOutcome,
     admission_enforced,
     admission_terms,
@@ -25,6 +26,8 @@ from kvguard.core.admission import (
     needs_exact_count,
     overrun_cancels,
     pooled_reservation,
+    spread_terms,
+    step_grid,
     whole_blocks,
 )
 
@@ -304,3 +307,39 @@ def test_admits_takes_the_step_by_step_projection_when_given():
     assert admits(900, 500, 1000, 1.0, critical=False, with_it=1000)
     assert not admits(900, 50, 1000, 1.0, critical=False, with_it=1001)
     assert admits(0, 5000, 1000, 1.0, critical=True, with_it=5000)
+
+
+def test_the_spread_bound_is_the_mean_plus_z_deviations_of_each_interval():
+    """Two requests over a grid of two intervals of 10 steps, by hand.
+
+    A (100 held, 1 a step, 20 steps) is surely written: 110, then 120. B (50 held, 1
+    a step, 20 steps) is still being written at step 10 with chance 1/2: at most 60
+    in the first interval (chance 1), 70 in the second (chance 1/2: mean 35,
+    variance 70^2/4). The peak is the second interval's 120 + 35 + z * 35.
+    """
+    grid = step_grid(20, 2)
+    assert grid == [0, 10, 20]
+    a = spread_terms(Growth(100, 1, 20), grid, None)
+    b = spread_terms(Growth(50, 1, 20), grid, [1.0, 0.5])
+    assert a == ([110.0, 120.0], [1.0, 1.0])
+    assert b == ([60.0, 70.0], [1.0, 0.5])
+    profile = SpreadProfile(grid, [a, b], z=1.645)
+    assert profile.peak_with() == math.ceil(max(170, 120 + 35 + 1.645 * 35))
+    # A newcomer surely written for 9 steps, then done: only the first interval grows.
+    c = spread_terms(Growth(10, 1, 9), grid, None)
+    assert c == ([19.0, 19.0], [1.0, 0.0])
+    assert profile.peak_with(*c) == math.ceil(max(189, 120 + 35 + 1.645 * 35))
+
+
+@given(
+    _growths,
+    st.builds(
+        Growth, held=st.integers(0, 500), per_step=st.integers(1, 4), steps=st.integers(0, 60)
+    ),
+)
+def test_with_every_end_certain_the_spread_bound_covers_every_step(growths, newcomer):
+    """Surely-written requests: the spread bound is never under the step-by-step truth."""
+    grid = step_grid(max([g.steps for g in [*growths, newcomer]]), 7)
+    profile = SpreadProfile(grid, [spread_terms(g, grid, None) for g in growths], z=1.645)
+    bound = profile.peak_with(*spread_terms(newcomer, grid, None))
+    assert bound >= _brute_peak([*growths, newcomer])

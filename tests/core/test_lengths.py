@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvguard.core import admission as rules
-from kvguard.core.lengths import LengthTerms, ObservedLengths, censored_quantile
+from kvguard.core.lengths import LengthTable, LengthTerms, ObservedLengths, censored_quantile
 
 CHAT = ("llama", "/v1/chat/completions", "standard")
 
@@ -288,3 +288,20 @@ def test_the_table_reads_the_same_quantile_as_the_estimate(ended, running, q):
     table = lengths.table(CHAT, answers)
     assert table is not None
     assert table.quantile(q) == lengths.estimate(CHAT, answers)
+
+
+def test_the_chance_an_answer_is_still_being_written_reads_the_estimate_given_its_length():
+    """Four answers ended at 100-400 tokens, a quarter each; one has written 150 so far.
+
+    It is longer than 100, so it ends at 200, 300 or 400, a third each: it reaches
+    250 with chance 2/3, 350 with 1/3. Under a ceiling of 300 the 400 ends there;
+    past the ceiling it is surely done. Longer than every answer seen: nothing known.
+    """
+    table = LengthTable.estimate([100, 200, 300, 400], [], 4, ("m", "/v1/completions", "s"))
+    chances = table.still_writing(150, 1000, [150, 200, 250, 350, 450])
+    assert chances == pytest.approx([1.0, 1.0, 2 / 3, 1 / 3, 0.0])
+    assert table.still_writing(150, 300, [300, 350]) == pytest.approx([2 / 3, 0.0])
+    assert table.still_writing(500, 1000, [600]) is None
+    # An answer still running past the longest ended one: the tail ends at the ceiling.
+    censored = LengthTable.estimate([100, 200], [300], 2, ("m", "/v1/completions", "s"))
+    assert censored.still_writing(250, 1000, [999, 1000, 1001]) == pytest.approx([1.0, 1.0, 0.0])

@@ -19,6 +19,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 import structlog
@@ -78,6 +79,9 @@ class Admission:
         self._tickets = 0
         # The engine's count of what it held at the previous tick: its growth.
         self._last_used: int | None = None
+        # Each kind's estimated lengths, as last read (each tick, and at each request's
+        # reservation): what the spread bound reads where answers will likely end.
+        self._tables: dict[tuple[str, str, str], LengthTable | None] = {}
 
     def wake(self) -> None:
         """Make requests waiting for room re-check now (one ended, or the mitigations changed)."""
@@ -292,6 +296,8 @@ class Admission:
         running = self._inflight.running_answers() if tracked.kind is not None else []
         # One estimate of the kind's lengths gives both its quantile and its moments.
         table = self.lengths.table(tracked.kind, running) if tracked.kind else None
+        if tracked.kind is not None:
+            self._tables[tracked.kind] = table
         learned = table.quantile(self.settings.reserve_quantile) if table is not None else None
         per_sequence, source = rules.reserved_answer(
             max_tokens, learned.tokens if learned is not None else None, room
@@ -337,6 +343,7 @@ class Admission:
                     running = self._inflight.running_answers()
                 if tracked.kind not in tables:
                     tables[tracked.kind] = self.lengths.table(tracked.kind, running)
+                    self._tables[tracked.kind] = tables[tracked.kind]
                 table = tables[tracked.kind]
                 if table is not None:
                     sequences = max(tracked.sequences, 1)
@@ -366,6 +373,37 @@ class Admission:
                 else f"{quantile} output {learned.tokens} tokens of the answers of its kind"
                 f" longer than {written}"
             )
+
+    def uncertain(
+        self, tracked: InflightRequest, grid: list[int]
+    ) -> tuple[rules.Growth, list[float] | None]:
+        """``tracked``'s growth to its ceiling and its chance of still being written ahead.
+
+        At each interval start of ``grid``, from its kind's estimated lengths given what
+        it has written. Without one (nothing learned, several sequences, or longer than
+        every answer seen): its growth to its reservation, written for sure.
+        """
+        table = self._tables.get(tracked.kind) if tracked.kind is not None else None
+        ceiling = tracked.expected_ceiling
+        if table is None or ceiling is None or tracked.sequences != 1:
+            return self.growth(tracked), None
+        written = tracked.output_per_sequence
+        block = self.mitigations.block_size
+        to_ceiling = rules.growth(
+            tracked.footprint_tokens,
+            rules.whole_blocks(tracked.prompt_tokens + max(ceiling, written), block),
+            1,
+            block,
+        )
+        chances = table.still_writing(written, ceiling, [written + s for s in grid[:-1]])
+        if chances is None:
+            return to_ceiling, None
+        return to_ceiling, chances
+
+    def spread_z(self) -> float | None:
+        """The spread bound's ``z`` (from ``reserve_quantile``), None where it is not used."""
+        quantile = self._pooling_quantile()
+        return NormalDist().inv_cdf(quantile) if 0.5 < quantile < 1.0 else None
 
     def overrunning(self) -> list[InflightRequest]:
         """The answers past their reservation to cancel now, so the engine's pool lasts.
@@ -427,8 +465,17 @@ class Admission:
             self.mitigations.pool_tokens,
             self._terms(critical=critical).ratio,
             critical=critical,
-            with_it=projection.with_it(tracked),
+            with_it=projection.with_it(tracked, self._limit(critical=critical)),
         )
+
+    def _limit(self, *, critical: bool) -> float | None:
+        """What a request of the class may fill: ``ratio`` of the pool (None: unknown)."""
+        pool = self.mitigations.pool_tokens
+        return None if pool is None else pool * self._terms(critical=critical).ratio
+
+    def inflight_requests(self) -> list[InflightRequest]:
+        """The requests in flight now."""
+        return list(self._inflight)
 
     def _terms(self, *, critical: bool) -> rules.AdmissionTerms:
         """The share of the pool a request may fill, and how long it may wait for it."""
@@ -588,10 +635,14 @@ class Admission:
     def reserved(self) -> int:
         """What the in-flight requests are reserved at together (before the engine's floor).
 
-        Their projections summed (or pooled: :meth:`own`), or what they hold at their
-        peak step by step (:class:`~kvguard.core.admission.Envelope`), the lesser.
+        Their projections summed (or pooled: :meth:`own`), what they hold at their
+        peak step by step (:class:`~kvguard.core.admission.Envelope`), or its spread
+        bound (:class:`~kvguard.core.admission.SpreadProfile`): the least.
         """
-        return min(self._summed(), self._envelope().peak)
+        envelope = self._envelope()
+        least = min(self._summed(), envelope.peak)
+        profile = Projection(least, envelope, 0, self).profile()
+        return least if profile is None else min(least, profile.peak_with())
 
     def _summed(self) -> int:
         return self._inflight.projected_tokens(
@@ -625,7 +676,7 @@ class Admission:
         pool = self.mitigations.pool_tokens
         if pool is None:
             return False  # no room to show; and no need to sum what is in flight
-        return self.projection().with_it(tracked) <= pool * ratio
+        return self.projection().with_it(tracked, pool * ratio) <= pool * ratio
 
     def in_flight(self) -> int:
         """Tokens in flight: the requests' projections, never under the engine's own count."""
@@ -733,7 +784,7 @@ class Admission:
                     pool,
                     terms.ratio,
                     critical=critical,
-                    with_it=projection.with_it(newer),
+                    with_it=projection.with_it(newer, self._limit(critical=critical)),
                 )
                 for other, newer in same.items()
             ):
@@ -744,7 +795,7 @@ class Admission:
                 pool,
                 terms.ratio,
                 critical=critical,
-                with_it=projection.with_it(tracked),
+                with_it=projection.with_it(tracked, self._limit(critical=critical)),
             )
 
         if fits():
@@ -786,7 +837,7 @@ class Admission:
                     pool,
                     ratio,
                     critical=critical,
-                    with_it=projection.with_it(waiter),
+                    with_it=projection.with_it(waiter, self._limit(critical=critical)),
                 )
                 for waiter in waiting.values()
             )
@@ -807,17 +858,57 @@ class Projection:
     envelope: rules.Envelope
     unseen: int
     admission: Admission
+    _profile: rules.SpreadProfile | None = None
+    _horizon: int = 0
 
     @property
     def in_flight(self) -> int:
         """Tokens in flight now: the lesser bound."""
         return min(self.summed, self.envelope.peak + self.unseen)
 
-    def with_it(self, tracked: InflightRequest) -> int:
-        """Tokens in flight with ``tracked`` admitted too: the lesser bound."""
-        own = self.admission.own(tracked)  # first: it sets a missing max_tokens
-        peak = self.envelope.peak_with(self.admission.growth(tracked)) + self.unseen
-        return min(self.summed + own, peak)
+    def with_it(self, tracked: InflightRequest, limit: float | None = None) -> int:
+        """Tokens in flight with ``tracked`` admitted too: the least bound.
+
+        With ``limit`` (what it is compared with), the spread bound, the costliest, is
+        computed only when the others are over it.
+        """
+        admission = self.admission
+        own = admission.own(tracked)  # first: it sets a missing max_tokens
+        peak = self.envelope.peak_with(admission.growth(tracked)) + self.unseen
+        cheap = min(self.summed + own, peak)
+        if limit is not None and cheap <= limit:
+            return cheap
+        profile = self.profile()
+        if profile is None:
+            return cheap
+        grows, chances = admission.uncertain(tracked, profile.grid)
+        sizes, odds = rules.spread_terms(grows, profile.grid, chances)
+        spread = profile.peak_with(sizes, odds)
+        if grows.steps > self._horizon:
+            # Past every answer in flight's ceiling only it may be left, all of it.
+            spread = max(spread, grows.held + grows.per_step * grows.steps)
+        return min(cheap, spread + self.unseen)
+
+    def profile(self) -> rules.SpreadProfile | None:
+        """The in-flight requests' spread bound (built once), None where it is not used."""
+        z = self.admission.spread_z()
+        if z is None or not len(self.envelope):
+            return None
+        if self._profile is None:
+            admission = self.admission
+            requests = list(admission.inflight_requests())
+            horizon = 0
+            for tracked in requests:
+                grows, _ = admission.uncertain(tracked, [0, 1])
+                horizon = max(horizon, grows.steps)
+            grid = rules.step_grid(horizon)
+            terms = []
+            for tracked in requests:
+                grows, chances = admission.uncertain(tracked, grid)
+                terms.append(rules.spread_terms(grows, grid, chances))
+            self._profile = rules.SpreadProfile(grid, terms, z)
+            self._horizon = horizon
+        return self._profile
 
 
 def _reads_as_chat(shape: str, payload: object) -> bool:
