@@ -198,6 +198,9 @@ class InflightRequest:
     output_variance: float = 0.0
     expected_ceiling: int | None = None  # per sequence: where the unknown tail is put
     sequences: int = 1  # prompts x samples (n, best_of): answers the engine writes
+    # Its answer streams (the body asked for it): what it has written is seen as it
+    # comes. A whole answer is seen only at its end: until then it may be anywhere.
+    streamed: bool = False
     # (model, route, priority): whose answer lengths this one's is learned with.
     kind: tuple[str, str, str] | None = None
     completed: bool = False  # the engine's whole answer arrived with a 200
@@ -262,6 +265,10 @@ class Inflight:
 
     def __len__(self) -> int:
         return len(self._requests)
+
+    def __contains__(self, request: object) -> bool:
+        """Whether ``request`` is in flight (admitted and not yet done)."""
+        return request in self._requests
 
     def add(self, request: InflightRequest) -> None:
         """Start accounting a request."""

@@ -361,13 +361,17 @@ async def test_answers_reserved_together_let_more_in_than_each_at_its_quantile(
     assert proxy.counters.shed == {}
 
 
-async def test_an_answer_far_along_leaves_room_for_one_that_starts_now(sim_server, proxy_to):
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_an_answer_far_along_leaves_room_for_one_that_starts_now(
+    sim_server, proxy_to, streamed
+):
     """Reserved in full, two answers of up to 600 tokens never fit a 1,000-token pool at once.
 
     Step by step they do once the first has written enough: it ends, and frees all it
     holds, before the second has grown much (kvguard.core.admission.Envelope). The
     second waits while the first is young, and goes in at a tick's re-check while the
-    first is still being written — not when it ends.
+    first is still being written — not when it ends. Unless the first does not
+    stream: what it has written is then unseen, and it is reserved whole to its end.
     """
     server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
     mitigations = Mitigations(pool_tokens=1000, block_size=16)
@@ -381,7 +385,7 @@ async def test_an_answer_far_along_leaves_room_for_one_that_starts_now(sim_serve
     async with aiohttp.ClientSession() as http:
         # Streamed: the proxy sees each answer's tokens as they are written (a whole-JSON
         # answer's length is known only at its end, so it counts as just begun).
-        first = asyncio.ensure_future(send(http, body(10, 600, 600, stream=True)))
+        first = asyncio.ensure_future(send(http, body(10, 600, 600, stream=streamed)))
         older = await _one_in_flight(proxy)
         second = asyncio.ensure_future(send(http, body(10, 600, 20, stream=True)))
         for _ in range(200):
@@ -397,6 +401,10 @@ async def test_an_answer_far_along_leaves_room_for_one_that_starts_now(sim_serve
                 written_when_admitted = older.generated
             await asyncio.sleep(0.02)
         await second
+        if not streamed:
+            assert first.done()  # only once the first had ended
+            assert written_when_admitted is None
+            return
         assert not first.done()  # in while the first was still being written
         await first
     assert young_at < 200
@@ -441,3 +449,38 @@ async def test_answers_that_will_likely_have_ended_free_their_room_ahead(sim_ser
         await asyncio.gather(*(send(http, 600) for _ in range(8)))
         watcher.cancel()
     assert most_at_once == 8
+
+
+async def test_an_answer_that_does_not_stream_is_reserved_whole_to_its_end(sim_server, proxy_to):
+    """A whole-JSON answer is seen only at its end: it may be nearly written already.
+
+    Step by step, a newcomer of at most 200 tokens beside an answer of at most 900
+    that had just begun would fit a 1,000-token pool (450 at most, at the newcomer's
+    end). But nothing of the first is seen before it ends: had it written 800, the two
+    would hold 1,050. So it counts whole until the latest it can end, and the
+    newcomer waits for it.
+    """
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
+    mitigations = Mitigations(pool_tokens=1000, block_size=16)
+    url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=30)
+
+    async def send(http: aiohttp.ClientSession, payload: dict) -> None:
+        async with http.post(f"{url}/v1/completions", json=payload) as resp:
+            assert resp.status == 200
+            await resp.read()
+
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.ensure_future(send(http, body(10, 900, 300)))
+        await _one_in_flight(proxy)
+        second = asyncio.ensure_future(send(http, body(10, 200, 20, stream=True)))
+        for _ in range(200):
+            if proxy.waiting:
+                break
+            await asyncio.sleep(0.005)
+        assert proxy.waiting == 1
+        while not second.done():
+            proxy.review_reservations()
+            assert len(proxy.inflight) == 1 or first.done()
+            await asyncio.sleep(0.02)
+        await second
+        assert first.done()

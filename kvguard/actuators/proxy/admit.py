@@ -211,6 +211,7 @@ class Admission:
         )
         tracked = InflightRequest(request_id, priority, prompt_total, max_total)
         tracked.sequences = generation.sequences
+        tracked.streamed = payload.get("stream") is True
         tracked.clamped = window.clamped
         if single and estimate is not None:
             tracked.prompt_estimate = estimate  # the engine's count, when it comes, teaches
@@ -380,12 +381,14 @@ class Admission:
         """``tracked``'s growth to its ceiling and its chance of still being written ahead.
 
         At each interval start of ``grid``, from its kind's estimated lengths given what
-        it has written. Without one (nothing learned, several sequences, or longer than
-        every answer seen): its growth to its reservation, written for sure.
+        it has written. Without one (nothing learned, several sequences, longer than
+        every answer seen, or an answer in flight that does not stream): its growth to
+        its reservation, written for sure.
         """
         table = self._tables.get(tracked.kind) if tracked.kind is not None else None
         ceiling = tracked.expected_ceiling
-        if table is None or ceiling is None or tracked.sequences != 1:
+        unseen = not tracked.streamed and tracked in self._inflight
+        if table is None or ceiling is None or tracked.sequences != 1 or unseen:
             return self.growth(tracked), None
         written = tracked.output_per_sequence
         block = self.mitigations.block_size
@@ -653,8 +656,17 @@ class Admission:
         return rules.Envelope(self.growth(r) for r in self._inflight)
 
     def growth(self, tracked: InflightRequest) -> rules.Growth:
-        """How ``tracked``'s hold on the pool grows step by step to its projection."""
+        """How ``tracked``'s hold on the pool grows step by step to its projection.
+
+        An answer in flight that does not stream is seen only at its end: it may have
+        written nearly all of it already, or have just begun, so it holds its whole
+        projection until the latest it can end (as the sum reserves it).
+        """
         block = self.mitigations.block_size
+        if not tracked.streamed and tracked in self._inflight:
+            final = rules.whole_blocks(tracked.projected_tokens, block)
+            sequences = max(tracked.sequences, 1)
+            return rules.Growth(final, 0, -(-(final - tracked.prompt_tokens) // sequences))
         return rules.growth(
             tracked.footprint_tokens,
             rules.whole_blocks(tracked.projected_tokens, block),
