@@ -257,6 +257,7 @@ class Inflight:
     def __init__(self) -> None:
         # Keyed by the request itself: ids come from clients (X-Request-Id) and may repeat.
         self._requests: dict[InflightRequest, InflightRequest] = {}
+        self.version = 0  # changes whenever a request is added or done
         self.kv_tokens = Histogram(TOKEN_BUCKETS)  # footprint at the end of each request
         self.prompt_tokens = Histogram(TOKEN_BUCKETS)
 
@@ -273,6 +274,7 @@ class Inflight:
     def add(self, request: InflightRequest) -> None:
         """Start accounting a request."""
         self._requests[request] = request
+        self.version += 1
 
     def done(self, request: InflightRequest) -> None:
         """Stop accounting a request and record its final sizes.
@@ -281,6 +283,7 @@ class Inflight:
         estimate then, corrected by the engine's while the request ran.
         """
         if self._requests.pop(request, None) is not None:
+            self.version += 1
             self.kv_tokens.observe(request.footprint_tokens)
             self.prompt_tokens.observe(request.prompt_tokens)
 

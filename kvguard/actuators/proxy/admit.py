@@ -82,6 +82,10 @@ class Admission:
         # Each kind's estimated lengths, as last read (each tick, and at each request's
         # reservation): what the spread bound reads where answers will likely end.
         self._tables: dict[tuple[str, str, str], LengthTable | None] = {}
+        # The last projection and what it was read from: a wake-up re-checks every
+        # request waiting, and each would otherwise read the same state again.
+        self._projection: tuple[tuple[object, ...], Projection] | None = None
+        self._revision = 0  # reservations or learned lengths changed
 
     def wake(self) -> None:
         """Make requests waiting for room re-check now (one ended, or the mitigations changed)."""
@@ -299,6 +303,7 @@ class Admission:
         table = self.lengths.table(tracked.kind, running) if tracked.kind else None
         if tracked.kind is not None:
             self._tables[tracked.kind] = table
+            self._revision += 1
         learned = table.quantile(self.settings.reserve_quantile) if table is not None else None
         per_sequence, source = rules.reserved_answer(
             max_tokens, learned.tokens if learned is not None else None, room
@@ -337,6 +342,7 @@ class Admission:
         """
         running: list[tuple[tuple[str, str, str], int]] | None = None
         tables: dict[tuple[str, str, str], LengthTable | None] = {}
+        self._revision += 1
         for tracked in self._inflight:
             if tracked.expected_ceiling is not None and tracked.kind is not None:
                 # Where it will likely end, given what it has written by now.
@@ -517,10 +523,10 @@ class Admission:
         if own > limit:
             return f"it alone reserves {own:,} tokens, more than {of}{sized}"
         why = f"projected {with_it:,} of {of} with it"
-        if with_it < in_flight + own:
+        if with_it < projection.summed + own:
             why += (
-                f" (at its peak, step by step: the {in_flight + own:,} reserved in all"
-                " are never held at once)"
+                f" (at its peak, step by step: the {projection.summed + own:,} reserved in"
+                " all are never held at once)"
             )
         elif in_flight > reserved:
             why += f" (in flight per the engine's own count: {in_flight:,})"
@@ -676,12 +682,27 @@ class Admission:
 
     def projection(self) -> Projection:
         """What is in flight now, and with one more request: one reading for many checks."""
-        used = self.mitigations.engine_used_tokens
+        mitigations = self.mitigations
+        used, held = mitigations.engine_used_tokens, self._inflight.total_tokens
+        key = (
+            self._inflight.version,
+            held,
+            used,
+            mitigations.block_size,
+            self._revision,
+            self.settings.admission,
+            self.settings.reserve_quantile,
+        )
+        cached = self._projection
+        if cached is not None and cached[0] == key:
+            return cached[1]
         summed = rules.in_flight_tokens(self._summed(), used)
         # The engine's count above what the proxy's requests hold: traffic that
         # bypasses the proxy. It holds on for as long as anything can tell.
-        unseen = 0 if used is None else max(used - self._inflight.total_tokens, 0)
-        return Projection(summed, self._envelope(), unseen, self)
+        unseen = 0 if used is None else max(used - held, 0)
+        projection = Projection(summed, self._envelope(), unseen, self)
+        self._projection = (key, projection)
+        return projection
 
     def room_under(self, ratio: float, tracked: InflightRequest) -> bool:
         """Whether in-flight projections with ``tracked`` stay within ``ratio`` of the pool."""
@@ -860,10 +881,11 @@ class Admission:
 class Projection:
     """What the in-flight requests project, read once for several admission checks.
 
-    Two bounds of what they will hold at once, the lesser taken: their projections
-    summed (pooled under ``observed``), never under the engine's count; and their
-    peak step by step (:class:`~kvguard.core.admission.Envelope`) plus what the
-    engine holds beyond them.
+    Bounds of what they will hold at once, the least taken: their projections summed
+    (pooled under ``observed``), never under the engine's count; their peak step by
+    step (:class:`~kvguard.core.admission.Envelope`) plus what the engine holds
+    beyond them; and, where lengths are learned and the others refuse, the spread
+    bound of that peak (:class:`~kvguard.core.admission.SpreadProfile`).
     """
 
     summed: int
