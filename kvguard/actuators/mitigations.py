@@ -109,6 +109,8 @@ class Mitigations:
     typical_request_tokens: Callable[[], int | None] | None = field(default=None, repr=False)
     # Requests the proxy holds at the door for KV room now (its own queue).
     admission_waiting: Callable[[], int] | None = field(default=None, repr=False)
+    # Whether the proxy's admission checks each request against the pool now.
+    admission_guards: Callable[[], bool] | None = field(default=None, repr=False)
     # The fp8 switch's drain: every generation request is refused until it ends.
     draining: bool = False
     drain_retry_after_s: int = 60

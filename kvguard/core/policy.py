@@ -142,6 +142,9 @@ class Signals:
     typical_request_tokens: int | None = None
     # Requests kvguard's proxy holds at the door for KV room (its own queue).
     admission_waiting: int = 0
+    # The proxy's admission checks every request against the pool now: what goes
+    # through it cannot fill the pool, so a KV trend alone is an alert, not a reason.
+    admission_guards: bool = False
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,9 @@ def crossed(
     for, is no reason to shed. Time to exhaustion (with usage past
     ``tte_min_usage``) may raise the level to ``high`` — acting before the pool
     fills is the point — but a trend alone never reaches ``critical``: there it
-    counts only in a cache already past ``high``'s usage that binds.
+    counts only in a cache already past ``high``'s usage that binds. While the
+    proxy's admission guards the pool (``signals.admission_guards``) the KV cache's
+    trend counts only for ``elevated``.
     """
     out: list[str] = []
     margin = policy.exit_usage_margin if exit_ else 0.0
@@ -270,6 +275,11 @@ def crossed(
             ("kv", signals.time_to_exhaustion_s),
             ("gpu", signals.gpu_time_to_exhaustion_s),
         ):
+            if name == "kv" and signals.admission_guards and level != "elevated":
+                # Admission holds what goes through the proxy to the pool: the trend
+                # cannot end in exhaustion through it, so it alerts and no more (on
+                # traffic that fits, a rising saw-tooth shed requests for nothing).
+                continue
             if tte <= limit:
                 out.append(f"{name}_time_to_exhaustion {tte:.1f}s <= {limit:g}s")
     if t.gpu_free_ratio is not None and signals.gpu_free_ratio is not None:
@@ -293,18 +303,23 @@ def decide(
     *,
     typical_request_tokens: int | None = None,
     admission_waiting: int = 0,
+    admission_guards: bool = False,
 ) -> Decision:
     """One tick of the ladder: the new level, the plan and the next state.
 
     ``typical_request_tokens`` (a high quantile of recent requests' prompt + answer,
     when the proxy has seen enough) is the least a window cap leaves;
-    ``admission_waiting`` counts the requests the proxy holds for KV room.
+    ``admission_waiting`` counts the requests the proxy holds for KV room;
+    ``admission_guards`` says the proxy's admission checks each request against the
+    pool now (then the KV cache's time to exhaustion alone raises no further than
+    ``elevated``).
     """
     signals = signals_of(forecast)
     signals = replace(
         signals,
         typical_request_tokens=typical_request_tokens,
         admission_waiting=admission_waiting,
+        admission_guards=admission_guards,
     )
     binding = binding_of(signals, policy)
     # Requests the proxy holds at the door are the KV cache binding (so reported), but

@@ -163,6 +163,7 @@ class Brain:
         self.pattern = classify(samples, PatternThresholds(window_s=config.pattern_window_s))
         typical = self.mitigations.typical_request_tokens
         held = self.mitigations.admission_waiting
+        guards = self.mitigations.admission_guards
         decision = decide(
             snapshot.taken_at,
             self.forecast,
@@ -171,6 +172,7 @@ class Brain:
             self.guard,
             typical_request_tokens=typical() if typical is not None else None,
             admission_waiting=held() if held is not None else 0,
+            admission_guards=guards() if guards is not None else False,
         )
         self.guard = decision.state
         self.decision = decision

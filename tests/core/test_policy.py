@@ -123,6 +123,27 @@ def test_a_trend_alone_never_escalates():
     assert run([fc(0.92, tte=5.0)] * 5)[-1].level == "critical"
 
 
+def test_with_admission_guarding_the_pool_a_kv_trend_only_alerts():
+    """The proxy checks every request against the pool: the trend alone cannot exhaust it.
+
+    The same rising cache at 60% that reaches high without admission only reaches
+    elevated (an alert, nothing shed); usage past high's threshold still escalates.
+    """
+
+    def guarded(forecast, n=5):
+        state, d = GuardState(), None
+        for i in range(n):
+            d = decide(i * 0.5, forecast, "steady", POLICY, state, admission_guards=True)
+            state = d.state
+        return d
+
+    rising = guarded(fc(0.6, tte=5.0))
+    assert rising.level == "elevated"
+    assert rising.plan == ()
+    assert guarded(fc(0.92, tte=5.0)).level in ("high", "critical")
+    assert run([fc(0.6, tte=5.0)] * 5)[-1].level == "high"  # unguarded, as before
+
+
 def test_hysteresis_does_not_flap_on_a_sawtooth():
     """Usage alternating 0.88/0.91 around the 0.90 threshold: high once, then stays high."""
     decisions = run([0.91, 0.91, 0.91] + [0.88, 0.91] * 100)

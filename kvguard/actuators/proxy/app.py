@@ -84,6 +84,7 @@ class AdmissionProxy:
         mitigations.cancel_largest = self.cancel_largest
         mitigations.typical_request_tokens = self.lengths.typical_request_tokens
         mitigations.admission_waiting = lambda: self.waiting
+        mitigations.admission_guards = self._admission.admission_enforced
 
     @property
     def engine_kind(self) -> str | None:
