@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+from collections.abc import Awaitable
 
 import aiohttp
 import pytest
@@ -86,22 +87,8 @@ async def test_an_over_asking_client_is_reserved_what_its_answers_use(sim_server
         (await later).close()
         # Ten such requests at once fit the 4,000-token pool (10 x ~210 in whole
         # blocks); reserved at max_tokens, two would, and the rest would wait or be shed.
-        most = 0
-
-        async def watch() -> None:
-            nonlocal most
-            while True:
-                most = max(most, len(proxy.inflight))
-                await asyncio.sleep(0.002)
-
-        watcher = asyncio.ensure_future(watch())
-        answers = await asyncio.gather(
-            *(http.post(f"{url}/v1/completions", json=body(100, 1500, 40)) for _ in range(10))
-        )
-        watcher.cancel()
-        assert [a.status for a in answers] == [200] * 10
-        for answer in answers:
-            answer.close()
+        ten = asyncio.gather(*(_complete(http, url, body(100, 1500, 40)) for _ in range(10)))
+        most = await _most_in_flight(proxy, ten)
     assert most >= 5, most  # at max_tokens, at most 2 at a time
     assert proxy.counters.shed == {}
 
@@ -162,6 +149,31 @@ async def _one_in_flight(proxy: AdmissionProxy):
             return requests[0]
         await asyncio.sleep(0.005)
     raise AssertionError("no request reached the engine")
+
+
+async def _complete(http: aiohttp.ClientSession, url: str, payload: dict) -> None:
+    """POST one completion through the proxy at ``url``: it must be answered 200, in whole."""
+    async with http.post(f"{url}/v1/completions", json=payload) as resp:
+        assert resp.status == 200
+        await resp.read()
+
+
+async def _most_in_flight(proxy: AdmissionProxy, work: Awaitable[object]) -> int:
+    """Await ``work`` while watching ``proxy``: the most requests it had in flight at once."""
+    most = 0
+
+    async def watch() -> None:
+        nonlocal most
+        while True:
+            most = max(most, len(proxy.inflight))
+            await asyncio.sleep(0.002)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await work
+    finally:
+        watcher.cancel()
+    return most
 
 
 def test_an_answer_past_its_learned_length_is_reserved_ahead_of_it():
@@ -273,38 +285,23 @@ async def test_room_that_fits_several_waiting_requests_lets_them_all_in(sim_serv
     server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
     mitigations = Mitigations(pool_tokens=1000, block_size=16)
     url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=10)
-    most_at_once = 0
-
-    async def send(http: aiohttp.ClientSession, payload: dict) -> None:
-        async with http.post(f"{url}/v1/completions", json=payload) as resp:
-            assert resp.status == 200
-            await resp.read()
-
-    async def watch() -> None:
-        nonlocal most_at_once
-        while True:
-            most_at_once = max(most_at_once, len(proxy.inflight))
-            await asyncio.sleep(0.002)
 
     async with aiohttp.ClientSession() as http:
         # A prompt of 850 token ids (counted exactly) and an answer of at most 100:
         # it reserves 960 of 1,000, most of it from its first step on.
         long_prompt = {"prompt": [7] * 850, "max_tokens": 100, SIM_OUTPUT_TOKENS_FIELD: 20}
-        first = asyncio.ensure_future(send(http, long_prompt))
+        first = asyncio.ensure_future(_complete(http, url, long_prompt))
         await _one_in_flight(proxy)
         waiting = []
         for _ in range(3):  # ~250 each, still growing when the first would end: none fits
             # beside it (not even step by step); all three together do once it is gone
-            waiting.append(asyncio.ensure_future(send(http, body(10, 220, 200))))
+            waiting.append(asyncio.ensure_future(_complete(http, url, body(10, 220, 200))))
             for _ in range(200):
                 if proxy.waiting == len(waiting):
                     break
                 await asyncio.sleep(0.005)
         assert proxy.waiting == 3
-        watcher = asyncio.ensure_future(watch())
-        await first
-        await asyncio.gather(*waiting)
-        watcher.cancel()
+        most_at_once = await _most_in_flight(proxy, asyncio.gather(first, *waiting))
     assert most_at_once == 3
 
 
@@ -377,17 +374,12 @@ async def test_an_answer_far_along_leaves_room_for_one_that_starts_now(
     mitigations = Mitigations(pool_tokens=1000, block_size=16)
     url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=30)
 
-    async def send(http: aiohttp.ClientSession, payload: dict) -> None:
-        async with http.post(f"{url}/v1/completions", json=payload) as resp:
-            assert resp.status == 200
-            await resp.read()
-
     async with aiohttp.ClientSession() as http:
         # Streamed: the proxy sees each answer's tokens as they are written (a whole-JSON
         # answer's length is known only at its end, so it counts as just begun).
-        first = asyncio.ensure_future(send(http, body(10, 600, 600, stream=streamed)))
+        first = asyncio.ensure_future(_complete(http, url, body(10, 600, 600, stream=streamed)))
         older = await _one_in_flight(proxy)
-        second = asyncio.ensure_future(send(http, body(10, 600, 20, stream=True)))
+        second = asyncio.ensure_future(_complete(http, url, body(10, 600, 20, stream=True)))
         for _ in range(200):
             if proxy.waiting:
                 break
@@ -427,27 +419,18 @@ async def test_answers_that_will_likely_have_ended_free_their_room_ahead(sim_ser
     )
     mitigations = Mitigations(pool_tokens=100_000, block_size=16)
     url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=10)
-    most_at_once = 0
 
-    async def send(http: aiohttp.ClientSession, output: int) -> None:
-        payload = body(10, 1000, output, stream=True)
-        async with http.post(f"{url}/v1/completions", json=payload) as resp:
-            assert resp.status == 200
-            await resp.read()
-
-    async def watch() -> None:
-        nonlocal most_at_once
-        while True:
-            most_at_once = max(most_at_once, len(proxy.inflight))
-            await asyncio.sleep(0.002)
+    def answer(output: int) -> dict:
+        return body(10, 1000, output, stream=True)
 
     async with aiohttp.ClientSession() as http:
         # 24 answers, 100 to 1,000 tokens, learned with room for all of them.
-        await asyncio.gather(*(send(http, 100 + 900 * i // 23) for i in range(24)))
+        await asyncio.gather(
+            *(_complete(http, url, answer(100 + 900 * i // 23)) for i in range(24))
+        )
         mitigations.pool_tokens = 4000
-        watcher = asyncio.ensure_future(watch())
-        await asyncio.gather(*(send(http, 600) for _ in range(8)))
-        watcher.cancel()
+        eight = asyncio.gather(*(_complete(http, url, answer(600)) for _ in range(8)))
+        most_at_once = await _most_in_flight(proxy, eight)
     assert most_at_once == 8
 
 
@@ -464,15 +447,10 @@ async def test_an_answer_that_does_not_stream_is_reserved_whole_to_its_end(sim_s
     mitigations = Mitigations(pool_tokens=1000, block_size=16)
     url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=30)
 
-    async def send(http: aiohttp.ClientSession, payload: dict) -> None:
-        async with http.post(f"{url}/v1/completions", json=payload) as resp:
-            assert resp.status == 200
-            await resp.read()
-
     async with aiohttp.ClientSession() as http:
-        first = asyncio.ensure_future(send(http, body(10, 900, 300)))
+        first = asyncio.ensure_future(_complete(http, url, body(10, 900, 300)))
         await _one_in_flight(proxy)
-        second = asyncio.ensure_future(send(http, body(10, 200, 20, stream=True)))
+        second = asyncio.ensure_future(_complete(http, url, body(10, 200, 20, stream=True)))
         for _ in range(200):
             if proxy.waiting:
                 break
