@@ -46,11 +46,16 @@ WARMUP_S = 3.0
 
 
 async def test_kvguard_cuts_preemptions_for_long_context():
-    """Seed 1, 12 s: the same conversations preempt far less through kvguard."""
+    """Seed 1, 12 s: the same conversations preempt far less through kvguard.
+
+    Admission holds them to the pool; the ladder sees the cache rise and alerts
+    (`elevated` at least: while admission guards the pool, the trend alone goes no
+    higher).
+    """
     direct = await measure("long_context", 1, mode="direct", pattern_s=12.0, warmup_s=WARMUP_S)
     guarded = await measure("long_context", 1, mode="kvguard", pattern_s=12.0, warmup_s=WARMUP_S)
     assert direct.preemptions >= 20, "the load never filled the pool: nothing to compare"
-    assert guarded.peak_level in ("high", "critical")
+    assert guarded.peak_level in ("elevated", "high", "critical")
     assert guarded.preemptions <= direct.preemptions / 3, (direct.preemptions, guarded.timeline)
 
 
