@@ -387,9 +387,9 @@ class Admission:
         """``tracked``'s growth to its ceiling and its chance of still being written ahead.
 
         At each interval start of ``grid``, from its kind's estimated lengths given what
-        it has written. Without one (nothing learned, several sequences, longer than
-        every answer seen, or an answer in flight that does not stream): its growth to
-        its reservation, written for sure.
+        it has written. Without one (nothing learned, several sequences, or an answer in
+        flight that does not stream): its growth to its reservation, written for sure;
+        longer than every answer seen to end: to its ceiling, for sure.
         """
         table = self._tables.get(tracked.kind) if tracked.kind is not None else None
         ceiling = tracked.expected_ceiling
