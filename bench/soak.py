@@ -18,6 +18,8 @@ and over the whole run:
 
 * no lost request: every request the load generator sent ended as a success, a shed
   (429/503), or a clear error (a status or a stream error); none unfinished;
+* the only failures are streams kvguard cancelled on purpose (an error event), no
+  more of them than its ``kvguard_requests_cancelled_total``;
 * counters agree: the load generator's successes are the engine's completed
   requests, its sheds are the proxy's (``kvguard_requests_shed_total``, plus requests
   the proxy cancelled before their answer began), and the engine received no more
@@ -334,6 +336,7 @@ def checks(
     completed = sum(n for reason, n in engine["finished"].items() if reason != "abort")
     cancelled = sum(proxy["cancelled"].values())
     shed_low, shed_high = proxy["shed"], proxy["shed"] + cancelled
+    stream_errors = load["status_counts"].get("stream_error", 0)
     forwarded_max = load["sent"] - proxy["shed"] - sum(proxy["rejected"].values())
     return {
         "rss_growth_under_10_percent": {
@@ -368,6 +371,15 @@ def checks(
             "ok": shed_low <= load["shed"] <= shed_high,
             "loadgen_shed": load["shed"],
             "proxy_shed": proxy["shed"],
+            "proxy_cancelled": cancelled,
+        },
+        "failures_are_kvguard_cancels": {
+            # A stream kvguard cancelled on purpose (overrun, largest) ends with an error
+            # event: the one failure allowed, and no more of them than it cancelled.
+            "ok": load["failed"] == stream_errors
+            and load["shed"] + stream_errors <= shed_high,
+            "loadgen_failed": load["failed"],
+            "stream_errors": stream_errors,
             "proxy_cancelled": cancelled,
         },
         "engine_got_only_what_the_proxy_forwarded": {

@@ -367,13 +367,20 @@ def in_flight_tokens(reserved: int, engine_used: int | None) -> int:
     return reserved if engine_used is None else max(reserved, engine_used)
 
 
+# How many intervals like the last one the pool must last for an overrun cancel to
+# wait: the next reading, and one more, because that reading can come late (a slow
+# scrape, a loaded host: the tick is late exactly when the engine is busiest) and a
+# cancel frees the engine's blocks only once it has aborted the request.
+OVERRUN_READINGS_AHEAD = 2
+
+
 def overrun_cancels(
     used: int, growth: float, pool: int | None, footprints: Sequence[int], running: int
 ) -> int:
-    """How many answers past their reservation to cancel so the pool lasts to the next reading.
+    """How many answers to cancel so the pool lasts ``OVERRUN_READINGS_AHEAD`` readings.
 
     ``used`` is what the engine says it holds now and ``growth`` how much it grew
-    since its previous reading, which the next interval is assumed to repeat;
+    since its previous reading, which each interval ahead is assumed to repeat;
     ``footprints`` are the candidates' holdings in the order they would go and
     ``running`` the answers being written (each cancelled one takes its share of the
     growth with it). 0 while what the engine holds and adds stays within the pool;
@@ -382,6 +389,7 @@ def overrun_cancels(
     """
     if pool is None:
         return 0
+    growth *= OVERRUN_READINGS_AHEAD
     share = growth / running if running > 0 else 0.0
     cancels = 0
     while used + growth > pool and cancels < len(footprints):

@@ -240,6 +240,50 @@ def test_each_tick_an_answer_past_its_learned_length_is_reserved_at_what_longer_
     assert past.reserved_output == 1260
 
 
+def _streaming(name: str, priority: str, prompt: int, written: int) -> InflightRequest:
+    """A streamed answer in flight within its reservation (1,000 of a 2,000 ceiling)."""
+    tracked = InflightRequest(name, priority, prompt_tokens=prompt, max_tokens=2000)
+    tracked.reserved_output, tracked.output_ceiling = 1000, 2000
+    tracked.streamed, tracked.generated = True, written
+    tracked.cancel = lambda: None
+    return tracked
+
+
+def test_when_the_set_runs_past_its_quantile_the_largest_holding_the_pool_goes():
+    """None past its own reservation, but together they would fill the pool within two readings.
+
+    Three streamed answers hold 6,600 of an 8,000-token pool and each writes 100 tokens
+    between ticks: 300 a reading. At 7,500 held, the next reading fits (7,800) but the
+    one after does not (8,100): the largest of the lowest class goes — not the critical
+    one, and not one past its reservation (there is none). A jump of the engine's count
+    that the answers did not write (prompts just admitted) is not growth to come.
+    """
+    mitigations = Mitigations(pool_tokens=8000, block_size=16)
+    proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:9"), mitigations)
+    small = _streaming("small", "standard", prompt=1000, written=500)
+    large = _streaming("large", "standard", prompt=2000, written=300)
+    critical = _streaming("critical", "critical", prompt=2000, written=800)
+    for tracked in (small, large, critical):
+        proxy.inflight.add(tracked)
+    assert proxy.inflight.projected_tokens(16) > 8000  # each at its reservation: no fit
+
+    def tick(used: int, wrote: int) -> int:
+        for tracked in (small, large, critical):
+            if not tracked.cancelled:
+                tracked.generated += wrote
+        mitigations.engine_used_tokens = used
+        return proxy.review_reservations()
+
+    assert tick(6600, 0) == 0  # the first reading: no growth known yet
+    # The engine jumped 1,100 (a prompt came in) but the answers wrote nothing: no growth.
+    assert tick(7700, 0) == 0
+    assert tick(7400, 100) == 0  # 7,400 + 2 x 300 = 8,000: it lasts two readings
+    assert tick(7500, 100) == 1  # 7,500 + 600 > 8,000
+    assert large.cancelled and large.cancel_reason == "overrun"
+    assert not small.cancelled and not critical.cancelled
+    assert proxy.counters.cancelled["overrun"] == 1
+
+
 async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_to):
     """One request fills the pool; when it ends, critical goes first, then the newest standard."""
     server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)

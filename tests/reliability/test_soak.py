@@ -42,5 +42,7 @@ def test_a_two_minute_soak_loses_nothing_and_does_not_grow(tmp_path):
     assert load["sent"] > 1000  # moderate load, not a trickle
     assert load["shed"] > 0  # the pressure cycles made kvguard act
     assert load["unfinished"] == 0
-    assert set(load["status_counts"]) <= {"200", "400", "429", "503"}
+    # A stream error is a request kvguard cancelled on purpose (checked against its
+    # counter by failures_are_kvguard_cancels); any other failure is not allowed.
+    assert set(load["status_counts"]) <= {"200", "400", "429", "503", "stream_error"}
     assert doc["daemon"]["loop_stalls"] == 0

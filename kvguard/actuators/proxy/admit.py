@@ -79,6 +79,9 @@ class Admission:
         self._tickets = 0
         # The engine's count of what it held at the previous tick: its growth.
         self._last_used: int | None = None
+        # What each streamed answer had written per sequence at the previous tick (by
+        # id, with the request itself: an id is reused once its request is gone).
+        self._written: dict[int, tuple[InflightRequest, int]] = {}
         # Each kind's estimated lengths, as last read (each tick, and at each request's
         # reservation): what the spread bound reads where answers will likely end.
         self._tables: dict[tuple[str, str, str], LengthTable | None] = {}
@@ -415,47 +418,86 @@ class Admission:
         return NormalDist().inv_cdf(quantile) if 0.5 < quantile < 1.0 else None
 
     def overrunning(self) -> list[InflightRequest]:
-        """The answers past their reservation to cancel now, so the engine's pool lasts.
+        """The answers to cancel now, so the engine's pool lasts.
 
         Called every tick with the engine's fresh count. Learned reservations are a
-        quantile: a few answers run past them, and when several long ones run at
-        once they can fill the pool on their own — which an engine that allocates
-        per sequence does not survive, and one that preempts pays for in recompute.
-        When the engine's count plus its growth since the last good reading
-        (assumed again before the next) would pass the pool, and what is in flight,
-        each reserved at what it may still reach, does not fit it (else the growth
-        was prompts admitted into reserved room), the answers that ran past their
-        reservation go, lowest class first and within a class the newest (the least
-        work lost), never a critical one, until it would not. Only while admission
-        is enforced (not in dry-run).
+        quantile, and the answers in flight are reserved together at a quantile of
+        their total: a few answers run past their own, and now and then the set runs
+        past its — when several long ones run at once they can fill the pool on
+        their own, which an engine that allocates per sequence does not survive, and
+        one that preempts pays for in recompute. When the engine's count plus its
+        growth since the last good reading, twice over (the next reading can come
+        late), would pass the pool, and what is in flight, each reserved at what it
+        may still reach, does not fit it (else the growth was prompts admitted into
+        reserved room), answers go until it would not: first those past their
+        reservation, lowest class first and within a class the newest (the least
+        work lost); then, if that is not enough, the others that hold the pool,
+        lowest class first and within a class the largest (the fewest clients cut).
+        Never a critical one. Only while admission is enforced (not in dry-run).
         """
         used, pool = self.mitigations.engine_used_tokens, self.mitigations.pool_tokens
         if used is None:
             return []  # a failed read: the last good one stays the reference
         last, self._last_used = self._last_used, used
-        if pool is None or last is None or not self.admission_enforced():
+        requests = list(self._inflight)
+        growth, writing = self._answer_growth(
+            requests, max(used - last, 0) if last is not None else None
+        )
+        if pool is None or growth is None or not self.admission_enforced():
             return []
-        growth = max(used - last, 0)
-        if used + growth <= pool:
+        if used + growth * rules.OVERRUN_READINGS_AHEAD <= pool:
             return []
         block = self.mitigations.block_size
         if self._inflight.projected_tokens(block) <= pool:
             # What is in flight, each reserved at what it may still reach, fits: the
             # growth was prompts just admitted into reserved room, not answers outgrowing.
             return []
-        requests = list(self._inflight)
         order = {id(r): i for i, r in enumerate(requests)}
-        candidates = sorted(
-            (
-                r
-                for r in requests
-                if r.outran and r.priority != "critical" and not r.cancelled and r.cancel
-            ),
-            key=lambda r: (rank(r.priority), -order[id(r)]),
+        cancellable = [
+            r
+            for r in requests
+            if r.priority != "critical" and not r.cancelled and r.cancel is not None
+        ]
+        outran = sorted(
+            (r for r in cancellable if r.outran), key=lambda r: (rank(r.priority), -order[id(r)])
         )
-        running = sum(1 for r in requests if r.generated > 0)
+        # Within their reservations but holding the pool: the set ran past its quantile.
+        holding = sorted(
+            (r for r in cancellable if not r.outran and r.footprint_tokens > 0),
+            key=lambda r: (rank(r.priority), -r.footprint_tokens, -order[id(r)]),
+        )
+        candidates = outran + holding
         footprints = [rules.whole_blocks(r.footprint_tokens, block) for r in candidates]
-        return candidates[: rules.overrun_cancels(used, growth, pool, footprints, running)]
+        return candidates[: rules.overrun_cancels(used, growth, pool, footprints, writing)]
+
+    def _answer_growth(
+        self, requests: list[InflightRequest], engine_growth: int | None
+    ) -> tuple[float | None, int]:
+        """What the answers in flight write in an interval like the last; the sequences writing.
+
+        Not the engine's own growth since its last reading: that also counts the
+        prompts it just took in, once, into room admission reserved for them — read
+        as growth to come, it cancels the requests just admitted, and the room they
+        leave admits the next ones (a churn). Answers write one token per sequence
+        per step for as long as they run, so: the most any streamed answer wrote
+        per sequence since the last tick (one per step while it ran) times the
+        sequences writing (those that have written, and any that does not stream:
+        kvguard cannot see its progress). Without a streamed answer seen at both
+        ticks: the engine's growth (None before its second reading).
+        """
+        previous, self._written = (
+            self._written,
+            {id(r): (r, r.output_per_sequence) for r in requests if r.streamed},
+        )
+        steps: int | None = None
+        for key, (tracked, written) in self._written.items():
+            before = previous.get(key)
+            if before is not None and before[0] is tracked:
+                steps = max(steps or 0, written - before[1])
+        writing = sum(max(r.sequences, 1) for r in requests if r.generated > 0 or not r.streamed)
+        if steps is None:
+            return (None if engine_growth is None else float(engine_growth)), writing
+        return float(steps * writing), writing
 
     def half_reserved(self) -> bool:
         """Whether admission is enforced and half the pool or more is reserved."""
