@@ -21,9 +21,10 @@ and over the whole run:
 * the only failures are streams kvguard cancelled on purpose (an error event), no
   more of them than its ``kvguard_requests_cancelled_total``;
 * counters agree: the load generator's successes are the engine's completed
-  requests, its sheds are the proxy's (``kvguard_requests_shed_total``, plus requests
-  the proxy cancelled before their answer began), and the engine received no more
-  than the proxy forwarded;
+  requests (a cancel that lands after the engine's last token can make one more),
+  its sheds are the proxy's (``kvguard_requests_shed_total``, plus requests the
+  proxy cancelled before their answer began), and the engine received no more than
+  the proxy forwarded;
 * kvguard logged no error and exited 0 on SIGTERM.
 
     .venv/bin/python -m bench.soak [--duration-s 600] [--out bench/results/soak.json]
@@ -363,7 +364,9 @@ def checks(
             "unfinished": load["unfinished"],
         },
         "successes_match_the_engine": {
-            "ok": load["succeeded"] == completed,
+            # A cancel can land after the engine wrote an answer's last token: the
+            # engine completed it, its client got the error event.
+            "ok": load["succeeded"] <= completed <= load["succeeded"] + cancelled,
             "loadgen_succeeded": load["succeeded"],
             "engine_completed": completed,
         },

@@ -367,29 +367,28 @@ def in_flight_tokens(reserved: int, engine_used: int | None) -> int:
     return reserved if engine_used is None else max(reserved, engine_used)
 
 
-# How many intervals like the last one the pool must last for an overrun cancel to
-# wait: the next reading, and one more, because that reading can come late (a slow
-# scrape, a loaded host: the tick is late exactly when the engine is busiest) and a
-# cancel frees the engine's blocks only once it has aborted the request.
+# How many of kvguard's shortest poll intervals the pool must last before an overrun
+# cancel waits for the next reading: that reading, and one more, because it can come
+# late (a slow scrape, a loaded host: the tick is late exactly when the engine is
+# busiest) and a cancel frees the engine's blocks only once it has aborted the request.
 OVERRUN_READINGS_AHEAD = 2
 
 
 def overrun_cancels(
     used: int, growth: float, pool: int | None, footprints: Sequence[int], running: int
 ) -> int:
-    """How many answers to cancel so the pool lasts ``OVERRUN_READINGS_AHEAD`` readings.
+    """How many answers to cancel so the pool lasts until kvguard can act again.
 
-    ``used`` is what the engine says it holds now and ``growth`` how much it grew
-    since its previous reading, which each interval ahead is assumed to repeat;
+    ``used`` is what the engine says it holds now and ``growth`` what the answers
+    will write before kvguard can act again (:data:`OVERRUN_READINGS_AHEAD` readings);
     ``footprints`` are the candidates' holdings in the order they would go and
-    ``running`` the answers being written (each cancelled one takes its share of the
-    growth with it). 0 while what the engine holds and adds stays within the pool;
-    past it an engine that preempts would have to preempt, one that allocates per
-    sequence would crash. An unknown pool cancels nothing.
+    ``running`` the sequences being written (each cancelled one takes its share of
+    the growth with it). 0 while what the engine holds and adds stays within the
+    pool; past it an engine that preempts would have to preempt, one that allocates
+    per sequence would crash. An unknown pool cancels nothing.
     """
     if pool is None:
         return 0
-    growth *= OVERRUN_READINGS_AHEAD
     share = growth / running if running > 0 else 0.0
     cancels = 0
     while used + growth > pool and cancels < len(footprints):

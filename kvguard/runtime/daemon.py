@@ -23,6 +23,7 @@ import structlog
 
 from kvguard import __version__
 from kvguard.config.settings import Config
+from kvguard.core import admission as admission_rules
 from kvguard.core.budget import BudgetReport
 from kvguard.core.snapshot import EngineStats, Snapshot
 from kvguard.errors import InvalidInputError, ProbeError
@@ -210,7 +211,12 @@ class Daemon(BudgetKeeping):
         self.brain.step(snapshot, self.wall_clock())
         if self.proxy is not None:
             # Answers past their learned length are the long ones a pool runs out on.
-            self.proxy.review_reservations()
+            # The pool must last until kvguard can act again: two of its shortest
+            # intervals (it polls that fast once the headroom is short).
+            self.proxy.review_reservations(
+                snapshot.taken_at,
+                admission_rules.OVERRUN_READINGS_AHEAD * self.config.poll.min_interval_s,
+            )
         # The engine's fresh count of what it holds may leave room for requests waiting.
         self._recheck_held_requests()
 

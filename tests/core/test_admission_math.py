@@ -176,22 +176,17 @@ def test_projected_admission_admits_what_fits_and_a_lone_critical_request():
     assert not admits(416, 500, 1000, 0.9, critical=False)
 
 
-def test_answers_are_cancelled_only_when_the_pool_would_not_last_two_readings():
-    """The engine's count plus twice the growth it just showed, against the pool.
-
-    Twice: the next reading, and one more because that reading can come late.
-    """
-    assert OVERRUN_READINGS_AHEAD == 2
-    # 7,000 held, grew 500 since the last reading: 8,000 in two readings fits 8,000.
-    assert overrun_cancels(7000, 500, 8000, [1500, 1200], running=5) == 0
-    # 7,100 + 2 x 500 would not: the first candidate goes (its 1,500 and a fifth of it all).
-    assert overrun_cancels(7100, 500, 8000, [1500, 1200], running=5) == 1
-    # 7,600 + 500 fits the next reading but not the one after: one goes already.
-    assert overrun_cancels(7600, 250, 8000, [1500, 1200], running=5) == 1
+def test_answers_are_cancelled_only_when_the_pool_would_not_last_until_kvguard_acts_again():
+    """The engine's count plus what the answers write meanwhile, against the pool."""
+    assert OVERRUN_READINGS_AHEAD == 2  # the next reading, and one more: it can come late
+    # 7,000 held, the answers write 1,000 before kvguard can act again: 8,000 fits.
+    assert overrun_cancels(7000, 1000, 8000, [1500, 1200], running=5) == 0
+    # 7,100 + 1,000 would not: the first candidate goes (its 1,500 and a fifth of it all).
+    assert overrun_cancels(7100, 1000, 8000, [1500, 1200], running=5) == 1
     # Small candidates: as many as it takes, and no more than there are.
-    assert overrun_cancels(7950, 200, 8000, [50, 50, 50], running=4) == 3
-    assert overrun_cancels(7950, 200, 8000, [50, 200, 50], running=4) == 2
-    assert overrun_cancels(7950, 200, 8000, [50], running=4) == 1  # all there are
+    assert overrun_cancels(7950, 400, 8000, [50, 50, 50], running=4) == 3
+    assert overrun_cancels(7950, 400, 8000, [50, 200, 50], running=4) == 2
+    assert overrun_cancels(7950, 400, 8000, [50], running=4) == 1  # all there are
     # Nothing known about the pool: nothing cancelled.
     assert overrun_cancels(9000, 400, None, [100], running=1) == 0
 
@@ -203,15 +198,14 @@ def test_answers_are_cancelled_only_when_the_pool_would_not_last_two_readings():
     footprints=st.lists(st.integers(1, 3_000), max_size=20),
 )
 def test_overrun_cancels_the_fewest_that_make_the_pool_last(used, growth, pool, footprints):
-    """After them the pool lasts two readings (unless every candidate went); one fewer: not."""
+    """After the cancels the pool lasts (unless every candidate went); one fewer would not."""
     running = len(footprints) + 3
     n = overrun_cancels(used, growth, pool, footprints, running)
     assert 0 <= n <= len(footprints)
-    ahead = growth * OVERRUN_READINGS_AHEAD
-    share = ahead / running
+    share = growth / running
 
     def lasts(k: int) -> bool:
-        return used - sum(footprints[:k]) + max(ahead - k * share, 0) <= pool
+        return used - sum(footprints[:k]) + max(growth - k * share, 0) <= pool
 
     assert n == len(footprints) or lasts(n)
     assert n == 0 or not lasts(n - 1)

@@ -79,9 +79,10 @@ class Admission:
         self._tickets = 0
         # The engine's count of what it held at the previous tick: its growth.
         self._last_used: int | None = None
-        # What each streamed answer had written per sequence at the previous tick (by
+        # What each answer in flight had written per sequence at the previous tick (by
         # id, with the request itself: an id is reused once its request is gone).
         self._written: dict[int, tuple[InflightRequest, int]] = {}
+        self._last_read_at: float | None = None  # when that count was read (monotonic)
         # Each kind's estimated lengths, as last read (each tick, and at each request's
         # reservation): what the spread bound reads where answers will likely end.
         self._tables: dict[tuple[str, str, str], LengthTable | None] = {}
@@ -417,35 +418,44 @@ class Admission:
         quantile = self._pooling_quantile()
         return NormalDist().inv_cdf(quantile) if 0.5 < quantile < 1.0 else None
 
-    def overrunning(self) -> list[InflightRequest]:
+    def overrunning(self, now: float, ahead_s: float | None = None) -> list[InflightRequest]:
         """The answers to cancel now, so the engine's pool lasts.
 
-        Called every tick with the engine's fresh count. Learned reservations are a
-        quantile, and the answers in flight are reserved together at a quantile of
-        their total: a few answers run past their own, and now and then the set runs
-        past its — when several long ones run at once they can fill the pool on
-        their own, which an engine that allocates per sequence does not survive, and
-        one that preempts pays for in recompute. When the engine's count plus its
-        growth since the last good reading, twice over (the next reading can come
-        late), would pass the pool, and what is in flight, each reserved at what it
-        may still reach, does not fit it (else the growth was prompts admitted into
-        reserved room), answers go until it would not: first those past their
-        reservation, lowest class first and within a class the newest (the least
-        work lost); then, if that is not enough, the others that hold the pool,
-        lowest class first and within a class the largest (the fewest clients cut).
-        Never a critical one. Only while admission is enforced (not in dry-run).
+        Called every tick, at ``now`` (monotonic seconds), with the engine's fresh
+        count. Learned reservations are a quantile, and the answers in flight are
+        reserved together at a quantile of their total: a few answers run past their
+        own, and now and then the set runs past its — when several long ones run at
+        once they can fill the pool on their own, which an engine that allocates per
+        sequence does not survive, and one that preempts pays for in recompute.
+
+        When the engine's count plus what the answers write in ``ahead_s`` (the
+        daemon passes :data:`~kvguard.core.admission.OVERRUN_READINGS_AHEAD` of its
+        shortest poll intervals: the next reading can come late; None: that many
+        intervals like the last) would pass the pool, and what is in flight, each
+        reserved at what it may still reach, does not fit it (else the growth was
+        prompts admitted into reserved room), answers go until it would not: first
+        those past their reservation, lowest class first and within a class the
+        newest (the least work lost); then, if that is not enough, the others that
+        hold the pool, lowest class first and within a class the largest (the fewest
+        clients cut). Never a critical one. Only while admission is enforced (not in
+        dry-run).
         """
         used, pool = self.mitigations.engine_used_tokens, self.mitigations.pool_tokens
         if used is None:
             return []  # a failed read: the last good one stays the reference
         last, self._last_used = self._last_used, used
+        last_at, self._last_read_at = self._last_read_at, now
         requests = list(self._inflight)
-        growth, writing = self._answer_growth(
-            requests, max(used - last, 0) if last is not None else None
-        )
-        if pool is None or growth is None or not self.admission_enforced():
+        written = self._answer_growth(requests, None if last is None else used - last)
+        if pool is None or written is None or last_at is None or not self.admission_enforced():
             return []
-        if used + growth * rules.OVERRUN_READINGS_AHEAD <= pool:
+        growth, writing = written
+        elapsed = now - last_at
+        if ahead_s is None:
+            growth *= rules.OVERRUN_READINGS_AHEAD
+        elif elapsed > 0:
+            growth *= ahead_s / elapsed
+        if used + growth <= pool:
             return []
         block = self.mitigations.block_size
         if self._inflight.projected_tokens(block) <= pool:
@@ -472,31 +482,41 @@ class Admission:
 
     def _answer_growth(
         self, requests: list[InflightRequest], engine_growth: int | None
-    ) -> tuple[float | None, int]:
-        """What the answers in flight write in an interval like the last; the sequences writing.
+    ) -> tuple[float, int] | None:
+        """What the answers in flight wrote since the last tick; the sequences writing.
 
         Not the engine's own growth since its last reading: that also counts the
         prompts it just took in, once, into room admission reserved for them — read
         as growth to come, it cancels the requests just admitted, and the room they
         leave admits the next ones (a churn). Answers write one token per sequence
-        per step for as long as they run, so: the most any streamed answer wrote
-        per sequence since the last tick (one per step while it ran) times the
-        sequences writing (those that have written, and any that does not stream:
-        kvguard cannot see its progress). Without a streamed answer seen at both
-        ticks: the engine's growth (None before its second reading).
+        per step for as long as they run, so: the engine's steps since the last
+        tick — at least the most any streamed answer wrote per sequence since then
+        (all it wrote, for one that came since) — times the sequences writing (those
+        that have written, and any that does not stream: kvguard cannot see its
+        progress). With no streamed answer in flight: the engine's growth less the
+        prompts of the requests that came since. None before the engine's second
+        reading.
         """
         previous, self._written = (
             self._written,
-            {id(r): (r, r.output_per_sequence) for r in requests if r.streamed},
+            {id(r): (r, r.output_per_sequence) for r in requests},
         )
+        if engine_growth is None:
+            return None
         steps: int | None = None
+        prompts = 0
         for key, (tracked, written) in self._written.items():
             before = previous.get(key)
+            since = 0  # what it had written at the last tick: nothing, if it came since
             if before is not None and before[0] is tracked:
-                steps = max(steps or 0, written - before[1])
+                since = before[1]
+            else:
+                prompts += tracked.prompt_tokens
+            if tracked.streamed:
+                steps = max(steps or 0, written - since)
         writing = sum(max(r.sequences, 1) for r in requests if r.generated > 0 or not r.streamed)
         if steps is None:
-            return (None if engine_growth is None else float(engine_growth)), writing
+            return float(max(engine_growth - prompts, 0)), writing
         return float(steps * writing), writing
 
     def half_reserved(self) -> bool:

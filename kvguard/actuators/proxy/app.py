@@ -11,6 +11,7 @@ in-flight accounting and the counters, and the public surface other layers use
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -130,20 +131,23 @@ class AdmissionProxy:
         """
         return self._admission.reserved()
 
-    def review_reservations(self) -> int:
+    def review_reservations(self, now: float | None = None, ahead_s: float | None = None) -> int:
         """Each tick: re-read each answer's expected end, re-reserve outrunners, cancel overruns.
 
         Requests waiting for room re-check then too.
 
-        Outrunners are answers past their learned length.
+        Outrunners are answers past their learned length. ``now`` is when the
+        engine's count was read (monotonic seconds; None: now) and ``ahead_s`` how
+        long the pool must last before kvguard can act again (None: two intervals
+        like the last).
 
         Returns how many were cancelled (``kvguard_requests_cancelled_total{reason=
-        "overrun"}``): the answers past their reservation that, at the engine's
-        growth, would fill its pool before the next reading.
+        "overrun"}``): the answers that, at what the answers write, would fill the
+        engine's pool before kvguard can act again (:meth:`.Admission.overrunning`).
         """
         admission = self._admission
         admission.review_outrunners()
-        victims = admission.overrunning()
+        victims = admission.overrunning(time.monotonic() if now is None else now, ahead_s)
         for victim in victims:
             self._cancel(victim, "overrun")
         if admission.waiting:
