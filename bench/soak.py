@@ -379,8 +379,7 @@ def checks(
         "failures_are_kvguard_cancels": {
             # A stream kvguard cancelled on purpose (overrun, largest) ends with an error
             # event: the one failure allowed, and no more of them than it cancelled.
-            "ok": load["failed"] == stream_errors
-            and load["shed"] + stream_errors <= shed_high,
+            "ok": load["failed"] == stream_errors and load["shed"] + stream_errors <= shed_high,
             "loadgen_failed": load["failed"],
             "stream_errors": stream_errors,
             "proxy_cancelled": cancelled,
