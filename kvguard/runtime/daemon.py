@@ -210,9 +210,10 @@ class Daemon(BudgetKeeping):
             self.brain.unavailable = actuators.unavailable()
         self.brain.step(snapshot, self.wall_clock())
         if self.proxy is not None:
-            # Answers past their learned length are the long ones a pool runs out on.
-            # The pool must last until kvguard can act again: two of its shortest
-            # intervals (it polls that fast once the headroom is short).
+            # Re-reserve answers past their learned length (the long ones a pool runs
+            # out on) and cancel if the pool would not last until kvguard can act
+            # again: two of its shortest intervals (it polls that fast once the
+            # headroom is short).
             self.proxy.review_reservations(
                 snapshot.taken_at,
                 admission_rules.OVERRUN_READINGS_AHEAD * self.config.poll.min_interval_s,

@@ -142,8 +142,8 @@ class AdmissionProxy:
         like the last).
 
         Returns how many were cancelled (``kvguard_requests_cancelled_total{reason=
-        "overrun"}``): the answers that, at what the answers write, would fill the
-        engine's pool before kvguard can act again (:meth:`.Admission.overrunning`).
+        "overrun"}``) because, at the rate the answers write, the engine's pool would
+        not last until kvguard can act again (:meth:`.Admission.overrunning`).
         """
         admission = self._admission
         admission.review_outrunners()
