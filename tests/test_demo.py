@@ -54,7 +54,12 @@ def test_demo_crashes_unguarded_and_not_guarded(tmp_path):
     unguarded, guarded = summary["unguarded"], summary["guarded"]
     assert unguarded["engine_crashes"] >= 1, unguarded
     assert unguarded["crashed_at_s"] < 20
-    assert guarded["engine_crashes"] == 0, guarded
+    # The crash's own words first: pytest cuts a long dict short.
+    assert guarded["engine_crashes"] == 0, (
+        guarded["crashed_at_s"],
+        guarded["crash_message"],
+        guarded["cancelled"],
+    )
     assert guarded["completed"] > 0
     assert 0 <= guarded["shed_no_room"] <= guarded["shed"]
     # The terminal shows both runs as they happen, then the table (not a TTY: plain lines).
