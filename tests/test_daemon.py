@@ -357,7 +357,8 @@ async def test_an_unavailable_source_is_down_but_not_an_error():
     assert snapshot.sources["nvml"].ok is False
     assert snapshot.sources["nvml"].available is False
     assert daemon.state.trackers["nvml"].errors_total == 0
-    assert logs == []
+    # Only what the engine does when its pool runs out, once (an info, not a problem).
+    assert [e["event"] for e in logs] == ["kv_exhaustion_mode"]
 
 
 async def test_a_rejected_reload_changes_nothing():
@@ -515,3 +516,35 @@ def test_status_shows_what_admission_reserves_for_the_answers_in_flight_together
     assert proxy["reserved_kv_tokens"] == 25 * 304 + 2468 < 25 * 1104
     assert proxy["top_inflight"][0]["expected_output_tokens"] == 200
     assert proxy["top_inflight"][0]["reserved_output_tokens"] == 1000
+
+
+@pytest.mark.parametrize(
+    ("setting", "engine", "mode"),
+    [
+        ("auto", {"preemptions_total": 0.0}, "preempt"),  # vLLM with its preemption counter
+        ("auto", {}, "fail"),  # vLLM's names, no preemption counter: it cannot preempt
+        ("auto", {"kind": "llamacpp"}, "fail"),
+        ("fail", {"preemptions_total": 0.0}, "fail"),
+    ],
+)
+async def test_the_engine_says_whether_kvguard_cancels_before_its_pool_runs_out(
+    setting, engine, mode
+):
+    """[engine] on_kv_exhaustion: in force after a tick, in /status, logged once per change."""
+    config = {"engine": {"url": "http://127.0.0.1:1", "on_kv_exhaustion": setting}}
+    daemon, _, _ = make(config, engine=engine_stats(**engine))
+    daemon.proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:1"), daemon.mitigations)
+    with capture_logs() as logs:
+        await daemon.tick()
+        await daemon.tick()
+    assert daemon.mitigations.kv_exhaustion == mode
+    shown = status_document(daemon)["proxy"]["on_kv_exhaustion"]
+    assert shown["mode"] == mode
+    assert shown["overrun_cancel"] is (mode == "fail")
+    assert shown["reason"] == daemon.mitigations.kv_exhaustion_reason
+    # Before the first reading: "fail, the kind is not known yet". Each case changes
+    # that once (the mode or its reason), and the second tick changes nothing.
+    events = [e for e in logs if e["event"] == "kv_exhaustion_mode"]
+    assert [(e["on_kv_exhaustion"], e["overrun_cancel"]) for e in events] == [
+        (mode, mode == "fail")
+    ]

@@ -101,6 +101,11 @@ class Mitigations:
     # The engine's own count of KV tokens in use at the last tick: admission's floor
     # for what is in flight (traffic past the proxy, answers over their reservation).
     engine_used_tokens: int | None = None
+    # What the engine does when its pool runs out (kvguard.core.admission.kv_exhaustion)
+    # and why that is believed: with "fail", the proxy cancels before it runs out; an
+    # engine that preempts resumes the request later, which costs less than a cancel.
+    kv_exhaustion: str = "fail"
+    kv_exhaustion_reason: str = "the engine's kind is not known yet"
     # The longest sequence the engine serves ([model] max_model_len), when known: the
     # ceiling of an answer that sets no max_tokens.
     context_tokens: int | None = None

@@ -171,6 +171,7 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
         return None
     # The current budget's (it follows an fp8 switch and reloads), else what the proxy had.
     budget = daemon.state.budget
+    mitigations = proxy.mitigations
     per_token = (
         budget.budget.kv_bytes_per_token_per_gpu if budget is not None else proxy.bytes_per_token
     )
@@ -183,6 +184,13 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
         "admission": proxy.settings.admission,
         # What admission holds for them: a quantile of their total under "observed".
         "reserved_kv_tokens": proxy.reserved_tokens,
+        # Whether kvguard cancels answers before the pool runs out: for an engine that
+        # fails then, not for one that preempts (it resumes the answer later).
+        "on_kv_exhaustion": {
+            "mode": mitigations.kv_exhaustion,
+            "reason": mitigations.kv_exhaustion_reason,
+            "overrun_cancel": mitigations.kv_exhaustion == "fail",
+        },
         # What each kind of request's answers really use (the reservations of "observed").
         "answer_lengths": {
             "quantile": proxy.settings.reserve_quantile,

@@ -52,6 +52,7 @@ from kvguard.config.secrets import (
     read_secret,
     read_token,
 )
+from kvguard.core.admission import KV_EXHAUSTION_SETTINGS
 from kvguard.core.forecast import ForecastSettings
 from kvguard.core.pattern import DEFAULT_THRESHOLDS
 from kvguard.core.policy import ACTION_KINDS, LEVELS, PolicyConfig
@@ -239,6 +240,13 @@ class EngineConfig:
         boolean,
         "llama.cpp: all slots share one cache (--kv-unified, and -np auto);"
         " unset: from the supervised command, else assumed split",
+    )
+    on_kv_exhaustion: str = setting(
+        "auto",
+        choice(KV_EXHAUSTION_SETTINGS),
+        "what the engine does when its KV pool runs out: preempt (and resume later) or"
+        " fail; kvguard cancels before a failing engine's pool runs out (auto: preempt"
+        " for SGLang and a vLLM that reports preemptions, else fail)",
     )
 
 

@@ -367,6 +367,40 @@ def in_flight_tokens(reserved: int, engine_used: int | None) -> int:
     return reserved if engine_used is None else max(reserved, engine_used)
 
 
+KV_EXHAUSTION_SETTINGS = ("auto", "preempt", "fail")
+KvExhaustion = Literal["preempt", "fail"]
+# Engines that preempt (vLLM: recompute) or retract (SGLang) a running request when its
+# next block is not there, and resume it later; by the metric-name prefix they show.
+PREEMPTING_KINDS = ("vllm", "sglang")
+
+
+def kv_exhaustion(
+    setting: str, kind: str | None, reports_preemptions: bool
+) -> tuple[KvExhaustion, str]:
+    """What the engine does when its KV pool runs out, and why kvguard believes so.
+
+    ``setting`` is ``[engine] on_kv_exhaustion``: ``preempt`` or ``fail`` as the
+    operator says; ``auto`` reads the engine. SGLang retracts requests (its
+    retraction counter appears only with the first one); vLLM preempts and says so in
+    ``vllm:num_preemptions`` (``reports_preemptions``; an engine that shows vLLM's
+    names without that counter cannot be taken to preempt). Every other engine, and
+    an engine not read yet, is taken to fail: llama.cpp fails the request that finds
+    no room, and what an unknown engine does is unknown — the safe side is to cancel
+    before the pool runs out. Returns ``(mode, reason)``.
+    """
+    if setting == "preempt":
+        return "preempt", "[engine] on_kv_exhaustion"
+    if setting == "fail":
+        return "fail", "[engine] on_kv_exhaustion"
+    if kind == "sglang":
+        return "preempt", "SGLang retracts a request whose next block is not there"
+    if kind == "vllm" and reports_preemptions:
+        return "preempt", "vLLM preempts a request whose next block is not there"
+    if kind is None:
+        return "fail", "the engine's kind is not known yet"
+    return "fail", f"{kind} is not known to preempt (auto)"
+
+
 # How many of kvguard's shortest poll intervals the pool must last before an overrun
 # cancel waits for the next reading: that reading, and one more, because it can come
 # late (a slow scrape, a loaded host: the tick is late exactly when the engine is

@@ -25,6 +25,7 @@ import structlog
 from kvguard.actuators.dispatch import NO_RESTART_CONFIGURED
 from kvguard.actuators.mitigations import ASYNC_ACTIONS, Mitigations, Outcome
 from kvguard.config.settings import Config
+from kvguard.core import admission as admission_rules
 from kvguard.core.forecast import Forecast, forecast
 from kvguard.core.pattern import PatternReading, PatternThresholds, classify
 from kvguard.core.policy import (
@@ -310,8 +311,29 @@ class Brain:
             pool = blocks * block if blocks and block else None
         self.mitigations.block_size = block or 16
         self.mitigations.pool_tokens = pool
+        self._refresh_exhaustion(engine.kind, engine.preemptions_total is not None)
         self.mitigations.engine_used_tokens = engine.kv_used_tokens
         self.mitigations.context_tokens = self.config.model.max_model_len
+
+    def _refresh_exhaustion(self, kind: str | None, reports_preemptions: bool) -> None:
+        """Tell the proxy whether the engine preempts or fails when its pool runs out.
+
+        Logged once per change (``kv_exhaustion_mode``): it decides whether kvguard
+        cancels answers before the pool runs out.
+        """
+        mode, reason = admission_rules.kv_exhaustion(
+            self.config.engine.on_kv_exhaustion, kind, reports_preemptions
+        )
+        mitigations = self.mitigations
+        if (mode, reason) == (mitigations.kv_exhaustion, mitigations.kv_exhaustion_reason):
+            return
+        mitigations.kv_exhaustion, mitigations.kv_exhaustion_reason = mode, reason
+        log.info(
+            "kv_exhaustion_mode",
+            on_kv_exhaustion=mode,
+            reason=reason,
+            overrun_cancel=mode == "fail",
+        )
 
     def _retry_after_s(self) -> int:
         """Seconds until shed clients should retry: the excess demand over the drain rate."""

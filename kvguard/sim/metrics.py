@@ -90,11 +90,14 @@ class SimCollector(Collector):
         yield gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", sched.usage
         )
-        yield counter(
-            "vllm:num_preemptions",
-            "Cumulative number of preemption from the engine.",
-            s.preemptions_total,
-        )
+        if not sched.config.oom_on_exhaust:
+            # An engine that cannot preempt has no preemption counter to show; without
+            # it kvguard takes the engine to fail when its pool runs out (as it does).
+            yield counter(
+                "vllm:num_preemptions",
+                "Cumulative number of preemption from the engine.",
+                s.preemptions_total,
+            )
         yield counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total
         )

@@ -290,6 +290,34 @@ def test_when_the_set_runs_past_its_quantile_the_largest_holding_the_pool_goes()
     assert proxy.counters.cancelled["overrun"] == 1
 
 
+def test_an_engine_that_preempts_is_left_to_preempt():
+    """The same overrun on an engine that preempts: nothing is cancelled.
+
+    The engine preempts the newest answer and resumes it once room frees (a stall for
+    one client); a cancel would lose that answer. The reading goes on (the growth
+    since the last reading is known) so that, told the engine fails, kvguard cancels
+    on the next reading.
+    """
+    mitigations = Mitigations(pool_tokens=8000, block_size=16, kv_exhaustion="preempt")
+    proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:9"), mitigations)
+    answers = [_streaming(f"a{i}", "standard", prompt=2000, written=300) for i in range(3)]
+    for tracked in answers:
+        proxy.inflight.add(tracked)
+
+    def tick(at: float, used: int) -> int:
+        for tracked in answers:
+            tracked.generated += 100
+        mitigations.engine_used_tokens = used
+        return proxy.review_reservations(at, 1.0)
+
+    assert tick(0.0, 7000) == 0
+    assert tick(0.5, 7500) == 0  # 7,500 + 2 x 300 > 8,000: it would preempt
+    assert tick(1.0, 7600) == 0
+    assert not any(tracked.cancelled for tracked in answers)
+    mitigations.kv_exhaustion = "fail"
+    assert tick(1.5, 7700) == 1
+
+
 async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_to):
     """One request fills the pool; when it ends, critical goes first, then the newest standard."""
     server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)

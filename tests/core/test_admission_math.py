@@ -23,6 +23,7 @@ from kvguard.core.admission import (
     caps_for,
     fits_pool,
     growth,
+    kv_exhaustion,
     may_hold,
     needs_exact_count,
     overrun_cancels,
@@ -345,3 +346,28 @@ def test_with_every_end_certain_the_spread_bound_covers_every_step(growths, newc
     profile = SpreadProfile(grid, [spread_terms(g, grid, None) for g in growths], z=1.645)
     bound = profile.peak_with(*spread_terms(newcomer, grid, None))
     assert bound >= _brute_peak([*growths, newcomer])
+
+
+@pytest.mark.parametrize(
+    ("setting", "kind", "reports", "mode"),
+    [
+        ("auto", "vllm", True, "preempt"),
+        # vLLM's names without its preemption counter: an engine that cannot preempt.
+        ("auto", "vllm", False, "fail"),
+        # SGLang's retraction counter appears only with its first retraction.
+        ("auto", "sglang", False, "preempt"),
+        ("auto", "llamacpp", False, "fail"),
+        ("auto", "tgi", False, "fail"),
+        ("auto", "trtllm", True, "fail"),
+        ("auto", None, False, "fail"),
+        ("fail", "vllm", True, "fail"),
+        ("preempt", "llamacpp", False, "preempt"),
+    ],
+)
+def test_what_the_engine_does_when_its_pool_runs_out(setting, kind, reports, mode):
+    """``[engine] on_kv_exhaustion``: the operator's word, else the engine's kind and counter."""
+    got, reason = kv_exhaustion(setting, kind, reports)
+    assert got == mode
+    assert reason  # said in the log event, so never empty
+    if setting != "auto":
+        assert reason == "[engine] on_kv_exhaustion"

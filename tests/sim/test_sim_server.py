@@ -531,4 +531,5 @@ async def test_oom_mode_admission_waits_for_room(sim_server):
     assert {body["choices"][0]["finish_reason"] for _, body in results} == {"stop"}
     assert server.engine.alive
     assert not server.crashed.is_set()
-    assert value(await scrape(url), "vllm:num_preemptions_total") == 0
+    # An engine that cannot preempt shows no preemption counter (kvguard reads it so).
+    assert "vllm:num_preemptions_total" not in await scrape(url)

@@ -438,7 +438,8 @@ class Admission:
         newest (the least work lost); then, if that is not enough, the others that
         hold the pool, lowest class first and within a class the largest (the fewest
         clients cut). Never a critical one. Only while admission is enforced (not in
-        dry-run).
+        dry-run), and only for an engine that fails when its pool runs out
+        (``Mitigations.kv_exhaustion``): one that preempts resumes the answer later.
         """
         used, pool = self.mitigations.engine_used_tokens, self.mitigations.pool_tokens
         if used is None:
@@ -448,6 +449,10 @@ class Admission:
         requests = list(self._inflight)
         written = self._answer_growth(requests, None if last is None else used - last)
         if pool is None or written is None or last_at is None or not self.admission_enforced():
+            return []
+        if self.mitigations.kv_exhaustion == "preempt":
+            # The engine preempts the newest answer and resumes it once room frees:
+            # a stall for one client, where a cancel would lose its answer.
             return []
         growth, writing = written
         elapsed = now - last_at
