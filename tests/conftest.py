@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 import structlog
 
+from kvguard.api.logs import finite_numbers, strict_json
 from kvguard.config.model_files import load_model_files
 from kvguard.core.budget import BudgetInputs, BudgetReport, plan_budget
 from kvguard.sim.engine import TimeModel
@@ -22,6 +24,58 @@ def _state_in_tmp(tmp_path_factory, monkeypatch):
     Set in the environment, so a `kvguard run` a test starts inherits it too.
     """
     monkeypatch.setenv("KVGUARD_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+
+
+def _refuse_constant(name: str) -> Any:
+    raise AssertionError(f"a log line holds {name}: strict JSON parsers drop the line")
+
+
+def strict_log_line(logger: Any, method: str, event_dict: Any) -> Any:
+    """Render ``event_dict`` as kvguard's JSON log line and parse it back strictly.
+
+    The chain kvguard runs in production (non-finite numbers as null, the severity as
+    ``level``, the time, strict JSON), on a copy. An event that sets ``level`` itself
+    would lose it to the severity (a pressure level must be ``pressure_level`` …); a
+    line a strict parser (Loki, Vector, ``json.loads`` refusing constants) rejects is
+    a test failure wherever it is logged.
+    """
+    assert "level" not in event_dict, f"{event_dict.get('event')}: 'level' is the severity's key"
+    line = structlog.processors.JSONRenderer(serializer=strict_json)(
+        logger,
+        method,
+        structlog.processors.TimeStamper(fmt="iso", utc=True)(
+            logger,
+            method,
+            structlog.processors.add_log_level(
+                logger, method, finite_numbers(logger, method, dict(event_dict))
+            ),
+        ),
+    )
+    parsed = json.loads(line, parse_constant=_refuse_constant)
+    assert parsed["event"] == event_dict["event"]
+    return event_dict
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _every_log_line_is_strict_json() -> Iterator[None]:
+    """Every event kvguard logs in the test suite is checked by :func:`strict_log_line`.
+
+    Events captured by ``structlog.testing.capture_logs`` (most tests) and events
+    logged under the default configuration alike; a test that configures kvguard's
+    own logging renders with the same strict serializer.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        captured = structlog.testing.LogCapture.__call__
+
+        def capture(self: Any, logger: Any, method: str, event_dict: Any) -> Any:
+            strict_log_line(logger, method, event_dict)
+            return captured(self, logger, method, event_dict)
+
+        patch.setattr(structlog.testing.LogCapture, "__call__", capture)
+        saved = structlog.get_config()
+        structlog.configure(processors=[strict_log_line, *saved["processors"]])
+        yield
+        structlog.configure(**saved)
 
 
 @pytest.fixture(autouse=True)

@@ -524,7 +524,7 @@ def test_the_defaults_hold_when_their_keys_are_left_out():
 
 
 def test_redacted_shows_each_field_once_secrets_hidden_api_keys_counted_last(tmp_path):
-    """check-config's view: field order, secrets as ***, API keys as a count at the end."""
+    """/status's view: the file's keys, secrets as ***, API keys as a count at the end."""
     (tmp_path / "token").write_text("0123456789abcdef0123\n")
     config = parse_config(
         {
@@ -537,7 +537,14 @@ def test_redacted_shows_each_field_once_secrets_hidden_api_keys_counted_last(tmp
     )
     shown = config.redacted()
     assert list(shown)[:2] == ["source", "engine"]
-    assert list(shown)[-1] == "dry_run"
+    # The file's tables and keys (what check-config writes), not the code's names.
+    assert shown["policy"]["dry_run"] is False
+    assert "dry_run" not in shown
+    assert shown["gpu"]["memory"] is None
+    assert "memory_bytes" not in shown["gpu"]
+    assert shown["forecast"]["gpu_reserve"] == 512 * 1024**2
+    assert "cooldowns" in shown["policy"]
+    assert "disabled_actions" in shown["policy"]
     assert shown["engine"]["token"] == "***"
     assert shown["pattern"] == {"window_s": 30.0}
     assert list(shown["proxy"])[-1] == "api_key_priorities"
@@ -706,3 +713,63 @@ def test_secrets_from_the_environment_are_not_files(tmp_path):
     )
     assert config.engine.token == Secret("engine-token-1234")
     assert exposed_secrets(config) == []
+
+
+def test_the_config_status_shows_goes_back_into_the_file():
+    """/status's config, less what is unset or hidden, parses to the same configuration."""
+    from kvguard.config.settings import HIDDEN_SETTINGS  # noqa: PLC0415 - one test
+
+    config = parse_config(
+        {
+            "engine": {"url": "http://127.0.0.1:8000", "on_kv_exhaustion": "fail"},
+            "gpu": {"memory": "24GiB"},
+            "pattern": {"window_s": 30},
+            "forecast": {"gpu_reserve": "1GiB", "window_s": 20},
+            "policy": {
+                "dry_run": True,
+                "disabled_actions": ["kv_fp8"],
+                "cooldowns": {"shed": 3},
+                "high": {"kv_usage": 0.85},
+            },
+            "proxy": {"enabled": True, "admission_wait_s": 2},
+        },
+        env={},
+    )
+    shown = config.redacted()
+    del shown["source"]
+    tables = {
+        name: {
+            key: value
+            for key, value in body.items()
+            if value is not None and value != "***" and f"{name}.{key}" not in HIDDEN_SETTINGS
+        }
+        for name, body in shown.items()
+    }
+    again = parse_config(json.loads(json.dumps(tables)), env={})
+    assert replace(again, source=config.source) == config
+
+
+@pytest.mark.parametrize(
+    ("api", "front", "clash"),
+    [
+        ("127.0.0.1:9555", "127.0.0.1:9555", True),
+        ("0.0.0.0:9555", "127.0.0.1:9555", True),  # the wildcard takes every address
+        ("localhost:9555", "127.0.0.1:9555", True),
+        ("[::]:9555", "[::1]:9555", True),
+        ("127.0.0.1:9555", "127.0.0.1:9556", False),
+        ("127.0.0.1:9555", "10.0.0.5:9555", False),
+    ],
+)
+def test_the_proxy_and_the_api_cannot_listen_on_one_socket(api, front, clash):
+    """check-config names a clash kvguard run would only find binding the second port."""
+    data = {
+        "engine": {"url": "http://127.0.0.1:8000"},
+        "server": {"listen": api},
+        "proxy": {"enabled": True, "listen": front},
+    }
+    if not clash:
+        parse_config(data, env={})
+        return
+    with pytest.raises(ConfigError, match=r"proxy\.listen.*must differ from \[server\] listen"):
+        parse_config(data, env={})
+    parse_config({**data, "proxy": {"enabled": False, "listen": front}}, env={})  # no proxy

@@ -180,6 +180,24 @@ def listen(name: str, value: object) -> object:
     return value
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")  # noqa: S104 - names, not a bind
+
+
+def same_listen(first: str, second: str) -> bool:
+    """Whether two "HOST:PORT" listen addresses would take the same socket.
+
+    The same port on the same host, or on any host where either is a wildcard (it
+    takes every address); ``localhost`` is 127.0.0.1.
+    """
+    host_a, _, port_a = first.rpartition(":")
+    host_b, _, port_b = second.rpartition(":")
+    if port_a != port_b:
+        return False
+    a, b = (h.strip("[]").lower().replace("localhost", "127.0.0.1") for h in (host_a, host_b))
+    wild = {w.strip("[]") for w in WILDCARD_HOSTS}
+    return a == b or a in wild or b in wild
+
+
 def list_of(item: Parser) -> Parser:
     """A list whose items each pass ``item`` (returned as a tuple)."""
 

@@ -36,6 +36,7 @@ from kvguard.config.fields import (
     number,
     path_in_url,
     path_prefix,
+    same_listen,
     size,
     text,
     url,
@@ -517,18 +518,38 @@ class Config:
     source: str = "<defaults>"
 
     def redacted(self) -> dict[str, Any]:
-        """The configuration as plain values for /status and check-config, secrets hidden."""
+        """The configuration as /status shows it: the file's tables and keys, secrets hidden.
+
+        The tables and keys check-config writes (:func:`file_form`), so what an operator
+        reads in /status can be put in the file as it is; and, unlike the file form,
+        every setting of the file's tables: unset ones as null, secrets as ``***``
+        (a secret read from a file or the environment under its own name, e.g.
+        ``[engine] token``), and settings that may hold secrets as their setting shows
+        them (a restart command's arguments, webhook URLs' queries).
+        """
         shown: dict[str, Any] = {"source": self.source}
-        for spec in fields(self):
-            if spec.name == "source":
-                continue
-            declared = setting_of(spec)
-            place = declared.shown_as if declared and declared.shown_as else spec.name
-            section, _, name = place.rpartition(".")
-            (shown.setdefault(section, {}) if section else shown)[name] = _shown(
-                getattr(self, spec.name)
-            )
+        for name in _TABLES:
+            shown[name] = _keyed_as_in_the_file(getattr(self, name))
+        for name, body in file_form(self).items():
+            # [policy], [forecast], [pattern] as the file writes them, and keys a table
+            # of the file holds for the config's own settings.
+            table = shown.setdefault(name, {})
+            for key, value in body.items():
+                table.setdefault(key, value)
         return shown
+
+
+def _keyed_as_in_the_file(section: object) -> dict[str, object]:
+    """One table's settings under the file's keys, each shown as its setting says."""
+    table: dict[str, object] = {}
+    last: dict[str, object] = {}
+    for spec in fields(section):  # type: ignore[arg-type]
+        declared = setting_of(spec)
+        item = getattr(section, spec.name)
+        key = declared.key if declared and declared.key else spec.name
+        into = last if declared and declared.shown_last else table
+        into[key] = declared.shown(item) if declared and declared.shown else _shown(item)
+    return {**table, **last}
 
 
 # Settings whose values are, or may hold, secrets: never printed as a file would take them
@@ -843,6 +864,14 @@ def _cross_checks(sections: Sections) -> list[tuple[str, object, str]]:
         problems.append(("reconfigure.systemd_unit", None, 'is required with mode = "systemd"'))
     if mode == "command" and not reconfigure.get("command"):
         problems.append(("reconfigure.command", None, 'is required with mode = "command"'))
+    proxy, server = sections["proxy"], sections["server"]
+    api = server.get("listen", ServerConfig.listen)
+    front = proxy.get("listen", ProxyConfig.listen)
+    enabled = proxy.get("enabled") and isinstance(api, str) and isinstance(front, str)
+    if enabled and same_listen(str(api), str(front)):
+        problems.append(
+            ("proxy.listen", front, f"must differ from [server] listen ({api}): one port each")
+        )
     interval = poll.get("interval_s", PollConfig.interval_s)
     minimum = poll.get("min_interval_s", PollConfig.min_interval_s)
     if isinstance(interval, float) and isinstance(minimum, float) and minimum > interval:

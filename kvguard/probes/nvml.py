@@ -378,6 +378,18 @@ class NvmlProbe:
             raise ProbeError(PROBE_NAME, f"NVML did not answer within {self._timeout_s:g} s")
         return future.result()
 
+    def continue_from(self, previous: NvmlProbe) -> None:
+        """Take over what ``previous`` (the probe this one replaces at a reload) knew.
+
+        NVML that was unavailable stays so until the next retry is due, and is not
+        reported again (``nvml_unavailable`` once per run, not once per reload); lost
+        GPUs stay lost until they answer.
+        """
+        self._unavailable_reason = previous._unavailable_reason
+        self._unavailable_logged = previous._unavailable_logged
+        self._init_attempted_at = previous._init_attempted_at
+        self._lost = set(previous._lost)
+
     def _mark_unavailable(self, reason: str) -> None:
         self._unavailable_reason = reason
         if not self._unavailable_logged:

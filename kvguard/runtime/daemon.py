@@ -28,6 +28,7 @@ from kvguard.core.budget import BudgetReport
 from kvguard.core.snapshot import EngineStats, Snapshot
 from kvguard.errors import InvalidInputError, ProbeError
 from kvguard.probes.engine import EngineProbe
+from kvguard.probes.nvml import NvmlProbe
 from kvguard.runtime.budget_keeping import BudgetKeeping, budget_for
 from kvguard.runtime.decision import Brain, ControlOutcome
 from kvguard.runtime.heap import TRIM_EVERY_S, trim_heap
@@ -400,6 +401,10 @@ class Daemon(BudgetKeeping):
             config.poll,
         ) or (old.engine.token != config.engine.token)
         probes = Probes.from_config(config, self._engine_command()) if probes_changed else None
+        if probes is not None:
+            new, before = probes.nvml, self.probes.nvml
+            if isinstance(new, NvmlProbe) and isinstance(before, NvmlProbe):
+                new.continue_from(before)  # NVML's state is the host's, not the config's
         # These are built once at start (the engine's admin client, the fp8 switch, the
         # supervisor, the webhooks): say so rather than pretend they changed.
         kept = [

@@ -227,6 +227,24 @@ async def test_missing_library_is_unavailable_logged_once_and_retried_each_minut
     assert "LibraryNotFound" in event["reason"]
 
 
+async def test_a_probe_rebuilt_at_a_reload_does_not_report_nvml_again():
+    """A reload that rebuilds the probes keeps what NVML was: one event per run, no early retry."""
+    nvml = FakeNvml([gpu(0)], library_missing=True)
+    clock = FakeClock()
+    first = NvmlProbe(nvml=nvml, clock=clock)
+    with capture_logs() as logs:
+        with pytest.raises(ProbeError, match="unavailable"):
+            await first.sample()
+        again = NvmlProbe(nvml=nvml, clock=clock)
+        again.continue_from(first)
+        for _ in range(2):
+            with pytest.raises(ProbeError, match="unavailable"):
+                await again.sample()
+    assert len(events(logs, "nvml_unavailable")) == 1
+    assert nvml.calls["nvmlInit"] == 1  # the retry stays a minute after the last attempt
+    assert again.available is False
+
+
 async def test_unavailable_probe_recovers_when_the_driver_appears():
     """Once the library is there, the retry a minute later succeeds and says so."""
     nvml = FakeNvml([gpu(0)], library_missing=True)
