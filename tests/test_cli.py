@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -16,7 +17,10 @@ from aiohttp import web
 
 from kvguard import __version__
 from kvguard.api.app import build_app
-from kvguard.cli.main import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_OK, main
+from kvguard.cli import probe as probe_cli
+from kvguard.cli import status as status_cli
+from kvguard.cli.main import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, EXIT_OK, build_parser, main
+from kvguard.cli.probe import normalize_url
 from kvguard.cli.status import FleetRow, fetch_fleet, fleet_row, pressure_lines, render_fleet
 from kvguard.config.settings import parse_config
 from kvguard.probes.engine import EngineProbe
@@ -406,12 +410,17 @@ async def test_status_of_several_kvguards_ranks_them_worst_first(fleet):
     assert (rows[1].gpu_fullest, rows[1].gpu_free_bytes) == (2, 2 * GiB)
     assert rows[1].gpu_free_ratio == pytest.approx(2 / 80)
     assert (rows[2].gpu_free_ratio, rows[2].engine_kind, rows[2].engine_up) == (0.5, "vllm", True)
-    lines = render_fleet(rows).splitlines()
+    lines = engine_lines(render_fleet(rows))
     assert lines[0].split()[:2] == ["KVGUARD", "LEVEL"]
     assert [line.split()[0] for line in lines[1:]] == [dead, tight, roomy]
     assert "UNREACHABLE" in lines[1]
     assert "2.0 GiB 2.5% (GPU 2)" in lines[2]
     assert lines[3].endswith("vllm up")
+
+
+def engine_lines(text: str) -> list[str]:
+    """The fleet table's header and engine lines, without the indented detail lines."""
+    return [line for line in text.splitlines() if not line.startswith(" ")]
 
 
 async def test_status_command_with_several_urls_prints_one_line_each_and_exit_1(fleet):
@@ -422,7 +431,7 @@ async def test_status_command_with_several_urls_prints_one_line_each_and_exit_1(
     )
     out, _ = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 1
-    assert [line.split()[0] for line in out.decode().splitlines()] == [
+    assert [line.split()[0] for line in engine_lines(out.decode())] == [
         "KVGUARD",
         dead,
         tight,
@@ -486,7 +495,7 @@ def test_fleet_row_reads_the_sooner_resource_and_not_rising():
     }
     line = fleet_row("http://a", doc)
     assert (line.time_to_exhaustion_s, line.exhausting) == (12.5, "gpu_memory")
-    assert "12 s (gpu_memory)" in render_fleet([line]).splitlines()[1]
+    assert "12 s (gpu_memory)" in engine_lines(render_fleet([line]))[1]
     calm = fleet_row("http://b", doc | {"pressure": {"level": "ok", "forecast": {}}})
     assert calm.time_to_exhaustion_s == math.inf
     assert "not rising" in render_fleet([calm])
@@ -523,6 +532,262 @@ def test_status_binding_is_what_binds_and_exhausts_first_is_what_runs_out_soones
     }
     first = pressure_lines(full)[0]
     assert "  binding kv_cache  exhausts first nothing (not rising)  pattern steady" in first
+
+
+# What a kvguard under pressure says in /status: what binds, the pattern, the
+# mitigations in force and the decisions, newest first.
+SHED = {"kind": "shed", "reason": "high pressure, bursty_short traffic", "priority": "sheddable"}
+PRESSED = {
+    "level": "high",
+    "binding_resource": "kv_cache",
+    "pattern": "bursty_short",
+    "active": [
+        SHED,
+        {"kind": "tighten_window", "reason": SHED["reason"], "max_prompt_tokens": 2048},
+    ],
+    "decisions": [
+        {
+            "previous_level": "elevated",
+            "level": "high",
+            "pattern": "bursty_short",
+            "crossed": ["high: kv_usage 0.930 >= 0.900"],
+            "actions": [SHED],
+        },
+        {"previous_level": "ok", "level": "elevated", "crossed": ["elevated: x"], "actions": []},
+    ],
+}
+PRESSED_DETAILS = [
+    "    binding kv_cache  pattern bursty_short"
+    "  active shed priority=sheddable, tighten_window max_prompt_tokens=2048",
+    "    last elevated -> high: high: kv_usage 0.930 >= 0.900; high pressure, bursty_short traffic",
+]
+
+
+def test_fleet_row_carries_binding_pattern_mitigations_and_last_decision():
+    """Each engine's line is followed by what binds, the pattern, what is done and why.
+
+    The same words as the single view's Pressure, Active and Last lines; none of it
+    for a kvguard that has not decided yet, binding and pattern unknown while the
+    engine is not read, and a last decision too long for 120 columns cut there.
+    """
+    doc = {
+        "engine": {"kind": "vllm", "up": True, "kv_cache_usage_ratio": 0.93},
+        "pressure": PRESSED | {"forecast": {"kv_time_to_exhaustion_s": 30.0}},
+        "gpus": None,
+    }
+    line = fleet_row("http://a", doc)
+    assert (line.binding, line.pattern) == ("kv_cache", "bursty_short")
+    assert line.active == ("shed priority=sheddable", "tighten_window max_prompt_tokens=2048")
+    assert line.last_decision == PRESSED_DETAILS[1].removeprefix("    last ")
+    assert f"Last     {line.last_decision}" in pressure_lines(doc)
+    assert render_fleet([line]).splitlines()[2:] == PRESSED_DETAILS
+    data = json.loads(json.dumps(line.as_dict()))
+    assert data["binding"] == "kv_cache"
+    assert data["pattern"] == "bursty_short"
+    assert data["active"] == list(line.active)
+    assert data["last_decision"] == line.last_decision
+
+    calm = fleet_row("http://b", doc | {"pressure": {"level": "ok", "pattern": "steady"}})
+    assert render_fleet([calm]).splitlines()[2:] == [
+        "    binding unknown  pattern steady  active none"
+    ]
+    starting = fleet_row("http://c", {"engine": None, "pressure": None, "gpus": None})
+    assert len(render_fleet([starting]).splitlines()) == 2  # header and its line
+    unread = fleet_row("http://d", doc | {"sources": {"engine": {"ok": False, "age_s": 9.0}}})
+    assert (unread.binding, unread.pattern, unread.time_to_exhaustion_s) == (None, None, None)
+    assert (
+        render_fleet([unread])
+        .splitlines()[2]
+        .startswith("    binding unknown  pattern unknown  active shed")
+    )
+    long = FleetRow(url="http://e", engine_up=True, level="high", last_decision="x" * 300)
+    cut = render_fleet([long]).splitlines()[-1]
+    assert (len(cut), cut[-1]) == (120, "\u2026")
+
+
+async def serve_status(doc: dict) -> web.AppRunner:
+    """A loopback server whose GET /status answers ``doc`` (its URL: ``status_url``)."""
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(doc)
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+def status_url(runner: web.AppRunner) -> str:
+    """Where :func:`serve_status`'s server listens."""
+    return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def test_status_fleet_shows_binding_pattern_mitigations_and_last_reason(fleet):
+    """`kvguard status --url A B`: under each engine's line, binding, pattern, mitigations, why.
+
+    A kvguard at high (a real /status with the pressure of one shedding) and an idle
+    one: the text view and the --json rows both carry them.
+    """
+    roomy, _, _ = fleet
+    async with aiohttp.ClientSession() as http, http.get(f"{roomy}/status") as resp:
+        idle = await resp.json()
+    pressed = await serve_status(idle | {"pressure": idle["pressure"] | PRESSED})
+    try:
+        busy = status_url(pressed)
+        proc = await asyncio.create_subprocess_exec(
+            KVGUARD, "status", "--url", roomy, busy, stdout=asyncio.subprocess.PIPE
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+        lines = out.decode().splitlines()
+        assert lines[1].split()[:2] == [busy, "high"]  # worst first
+        assert lines[2:4] == PRESSED_DETAILS
+        assert lines[4].split()[:2] == [roomy, "ok"]
+        binding = idle["pressure"]["binding_resource"]
+        assert lines[5] == (
+            f"    binding {binding}  pattern {idle['pressure']['pattern']}  active none"
+        )
+        assert all(len(line) <= 120 for line in lines)
+        proc = await asyncio.create_subprocess_exec(
+            KVGUARD, "status", "--url", roomy, busy, "--json", stdout=asyncio.subprocess.PIPE
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0
+        rows = json.loads(out)
+        assert [row["url"] for row in rows] == [busy, roomy]
+        assert {k: rows[0][k] for k in ("binding", "pattern", "active", "last_decision")} == {
+            "binding": "kv_cache",
+            "pattern": "bursty_short",
+            "active": ["shed priority=sheddable", "tighten_window max_prompt_tokens=2048"],
+            "last_decision": PRESSED_DETAILS[1].removeprefix("    last "),
+        }
+        assert (rows[1]["binding"], rows[1]["active"]) == (binding, [])
+    finally:
+        await pressed.cleanup()
+
+
+# ------------------------------------------------ status and probe: the default config
+@pytest.fixture
+def default_config(tmp_path, monkeypatch) -> Path:
+    """The default config path pointed at a file in tmp_path (not written), no $KVGUARD_CONFIG."""
+    path = tmp_path / "etc-kvguard.toml"
+    monkeypatch.setattr(probe_cli, "DEFAULT_CONFIG_PATH", str(path))
+    monkeypatch.delenv("KVGUARD_CONFIG", raising=False)
+    return path
+
+
+def test_status_and_probe_read_the_default_config_when_it_exists(default_config, capsys):
+    """Without --config and $KVGUARD_CONFIG, the service's config file when it is there.
+
+    status reads its [server] listen (and nothing else: the engine's token is a
+    systemd credential only the service can read); probe its [engine].
+    """
+    port, engine_port = free_port(), free_port()
+    default_config.write_text(
+        f'[engine]\nurl = "http://127.0.0.1:{engine_port}"\n'
+        f'token_file = "{default_config.parent}/only-the-service-reads-this"\n'
+        f'[server]\nlisten = "0.0.0.0:{port}"\n'
+    )
+    assert main(["status"]) == 1  # read the file; nothing listens there
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvguard status: cannot read http://127.0.0.1:{port}/status:")
+    default_config.write_text(f'[engine]\nurl = "http://127.0.0.1:{engine_port}"\n')
+    assert main(["probe", "--json"]) == 1  # the engine of the file, not answering
+    assert json.loads(capsys.readouterr().out)["engine"]["url"] == (
+        f"http://127.0.0.1:{engine_port}"
+    )
+
+
+def test_the_default_config_is_ignored_when_absent(default_config, capsys):
+    """No file there: status asks 127.0.0.1:9108, probe wants --engine-url, as before."""
+    assert not default_config.exists()
+    args = build_status_args()
+    assert status_cli._own_url(args) == status_cli.DEFAULT_STATUS_URL
+    assert main(["probe"]) == EXIT_BAD_INPUT
+    assert "kvguard probe: error: --engine-url: needed without --config" in capsys.readouterr().err
+
+
+def build_status_args(*argv: str) -> argparse.Namespace:
+    """`kvguard status ARGV` parsed."""
+    return build_parser().parse_args(["status", *argv])
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[server\n", "file: must be valid TOML"),
+        ('[server]\nlisten = "127.0.0.1"\n', 'server.listen: must be "HOST:PORT"'),
+    ],
+)
+def test_a_broken_default_config_exits_1_naming_the_file(default_config, capsys, text, problem):
+    """An invalid default file: an error naming it and what to do instead, exit 1.
+
+    Not 2: nobody typed it. --url does without it, $KVGUARD_CONFIG comes first, and
+    a broken --config stays a usage error (2).
+    """
+    default_config.write_text(text)
+    assert main(["status"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"kvguard status: error: {default_config}: {problem}")
+    assert err[1] == (
+        f"kvguard status: {default_config} is read when neither --config nor $KVGUARD_CONFIG"
+        " says which config: fix it, or give --url, --config or $KVGUARD_CONFIG"
+    )
+    if problem.startswith("file"):  # probe reads the whole file: only a TOML error is one
+        assert main(["probe"]) == 1
+        err = capsys.readouterr().err.splitlines()
+        assert err[0].startswith(f"kvguard probe: error: {default_config}: {problem}")
+        assert err[1].endswith("fix it, or give --engine-url, --config or $KVGUARD_CONFIG")
+    dead = f"127.0.0.1:{free_port()}"
+    assert main(["status", "--url", dead]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["status", "--config", str(default_config)]) == 1  # invalid, as run says
+    assert capsys.readouterr().err.startswith(f"kvguard status: error: {default_config}: ")
+
+
+def test_kvguard_config_comes_before_the_default(default_config, tmp_path, monkeypatch):
+    """$KVGUARD_CONFIG set: the default file is not read, even a broken one."""
+    default_config.write_text("[server\n")
+    chosen = tmp_path / "chosen.toml"
+    chosen.write_text('[server]\nlisten = "127.0.0.1:9200"\n')
+    monkeypatch.setenv("KVGUARD_CONFIG", str(chosen))
+    assert status_cli._own_url(build_status_args()) == "http://127.0.0.1:9200"
+    assert status_cli._own_url(build_status_args("--config", str(chosen))) == (
+        "http://127.0.0.1:9200"
+    )
+
+
+# ---------------------------------------------------------------- --url: which addresses
+PORT_NEEDED = (
+    "has no port: give HOST:PORT, or a URL with its scheme (http://HOST means port 80,"
+    " https://HOST port 443)"
+)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["status", "--url", "127.0.0.1"], "--url"),
+        (["status", "--url", "localhost/"], "--url"),
+        (["status", "--url", "127.0.0.1:9108", "[::1]"], "--url"),
+        (["probe", "--engine-url", "127.0.0.1"], "--engine-url"),
+    ],
+)
+def test_a_bare_host_without_port_is_a_usage_error(capsys, argv, flag):
+    """HOST without :PORT nor scheme would read port 80: exit 2 naming flag and value."""
+    assert main(argv) == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == (
+        f"kvguard {argv[0]}: error: {flag}: {PORT_NEEDED}, got {argv[-1]!r}\n"
+    )
+
+
+def test_a_url_with_a_scheme_may_leave_the_port_to_it():
+    """http://HOST (behind a proxy, say) is the scheme's port: allowed, as before."""
+    assert normalize_url("http://kvguard.internal/") == "http://kvguard.internal"
+    assert normalize_url("https://kvguard.internal") == "https://kvguard.internal"
+    assert normalize_url("127.0.0.1:9108/") == "http://127.0.0.1:9108"
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import tomllib
 from kvguard.config.model_files import BUNDLED_MODELS_DIR
 from kvguard.config.secrets import CONTROL_TOKEN_ENV, TOKEN_ENV, Secret
 from kvguard.config.settings import CONFIG_ENV, exposed_secrets, load_config, parse_config
-from kvguard.errors import ConfigError
+from kvguard.errors import ConfigError, InvalidInputError
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 EXAMPLE = Path(__file__).parents[1] / "systemd" / "kvguard.toml"
@@ -114,7 +114,8 @@ def test_config_path_from_environment(tmp_path):
     path = tmp_path / "k.toml"
     path.write_text('[engine]\nurl = "http://127.0.0.1:8000"\n')
     assert load_config(None, env={CONFIG_ENV: str(path)}).source == str(path)
-    with pytest.raises(ConfigError, match="KVGUARD_CONFIG"):
+    # No file named is a usage error (exit 2), not an invalid config (exit 1).
+    with pytest.raises(InvalidInputError, match="--config"):
         load_config(None, env={})
 
 

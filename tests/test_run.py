@@ -564,6 +564,73 @@ async def test_status_watch_keeps_going_while_kvguard_is_away():
     assert proc.returncode == 1  # the last read failed
 
 
+async def test_status_watch_shows_kvguard_again_once_it_is_back(watched):
+    """--watch through a restart: "unreachable since …" while away, the view once back.
+
+    /status is served from a loopback server stopped and started again on the same
+    port; the watch never exits meanwhile, and Ctrl-C after the return exits 0 (the
+    last read succeeded).
+    """
+    _, daemon, url = watched
+    await daemon.tick()
+    doc = json.loads((await get(f"{url}/status"))[1])
+    port = free_port()
+
+    async def serve() -> web.AppRunner:
+        async def status(_: web.Request) -> web.Response:
+            return web.json_response(doc)
+
+        app = web.Application()
+        app.router.add_get("/status", status)
+        runner = web.AppRunner(app, shutdown_timeout=1.0)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner: web.AppRunner | None = await serve()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # see the test above
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            KVGUARD,
+            *("status", "--url", f"127.0.0.1:{port}", "--watch", "--interval", "0.05"),
+            stdout=asyncio.subprocess.PIPE,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    seen = b""
+
+    async def read_until(marker: bytes, times: int = 1) -> None:
+        """Read the watch's output until ``marker`` shows ``times`` more times."""
+        nonlocal seen
+        start = len(seen)
+        async with asyncio.timeout(15):
+            while seen[start:].count(marker) < times:
+                chunk = await stdout.read(4096)
+                assert chunk, f"the watch exited: {seen[-2000:]!r}"
+                seen += chunk
+
+    try:
+        await read_until(b"kind vllm  up True")
+        await runner.cleanup()  # kvguard goes away
+        runner = None
+        await read_until(b"unreachable since", times=3)
+        assert proc.returncode is None
+        runner = await serve()  # and comes back, same address
+        await read_until(b"kind vllm  up True")
+        assert proc.returncode is None
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.communicate(), 10)
+        assert proc.returncode == 0  # the last read succeeded
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        if runner is not None:
+            await runner.cleanup()
+
+
 @pytest.fixture
 async def bad_engine():
     """A loopback server whose /metrics hangs, fails with 500, or answers garbage."""

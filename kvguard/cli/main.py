@@ -33,6 +33,7 @@ from kvguard.core.units import KV_DTYPES, format_bytes, parse_bytes, parse_count
 from kvguard.errors import ConfigError, InvalidInputError, KvguardError
 
 EXIT_OK = 0
+EXIT_INVALID_CONFIG = 1  # a config file that does not parse or validate
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head`
@@ -310,8 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     except ConfigError as exc:
+        # A config that cannot be used is invalid input, not a usage error (as `run`
+        # and `check-config` answer): 1.
         for line in exc.lines():
             print(f"kvguard {args.command}: error: {exc.source}: {line}", file=sys.stderr)
+        return EXIT_INVALID_CONFIG
     except KvguardError as exc:
         print(f"kvguard {args.command}: error: {exc}", file=sys.stderr)
     else:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 from dataclasses import asdict, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -14,12 +15,52 @@ from kvguard.api.logs import configure_logging
 from kvguard.config.settings import CONFIG_ENV, Config, config_for_engine, load_config
 from kvguard.core.snapshot import ENGINE_KINDS, EngineStats
 from kvguard.core.units import format_bytes
-from kvguard.errors import InvalidInputError
+from kvguard.errors import ConfigError, InvalidInputError, KvguardError
 from kvguard.probes.engine import EngineProbe
 from kvguard.runtime.daemon import Daemon
 
 # What `kvguard probe --json` always reports about the engine, null when unknown.
 PROBE_ENGINE_KEYS = tuple(EngineStats.__dataclass_fields__)
+
+# Where scripts/install-service.sh puts the config that systemd/kvguard.service runs
+# with: on such a host a bare `kvguard status` or `kvguard probe` reads it too. Read at
+# call time (config_path), so a test can point it elsewhere.
+DEFAULT_CONFIG_PATH = "/etc/kvguard/kvguard.toml"
+EXIT_DEFAULT_CONFIG = 1  # the default file is broken: the host's fault, not a usage error
+
+
+class DefaultConfigError(KvguardError):
+    """The default config (:data:`DEFAULT_CONFIG_PATH`, named by nobody) cannot be used."""
+
+    def __init__(self, error: ConfigError) -> None:
+        self.error = error
+        super().__init__(str(error))
+
+    def report(self, command: str, instead: str) -> int:
+        """Say what is wrong with the file and how to do without it; the exit code (1)."""
+        for line in self.error.lines():
+            print(f"kvguard {command}: error: {self.error.source}: {line}", file=sys.stderr)
+        print(
+            f"kvguard {command}: {self.error.source} is read when neither --config nor"
+            f" ${CONFIG_ENV} says which config: fix it, or {instead}",
+            file=sys.stderr,
+        )
+        return EXIT_DEFAULT_CONFIG
+
+
+def config_path(given: str | None, *, use_default: bool = True) -> tuple[str | None, bool]:
+    """The config to read: ``given`` (--config), else $KVGUARD_CONFIG, else the default file.
+
+    The default (:data:`DEFAULT_CONFIG_PATH`) only when it exists and ``use_default``.
+    Returns the path (None: no config) and whether it is the default file.
+    """
+    if given is not None:
+        return given, False
+    if os.environ.get(CONFIG_ENV):
+        return os.environ[CONFIG_ENV], False
+    if use_default and os.path.lexists(DEFAULT_CONFIG_PATH):
+        return DEFAULT_CONFIG_PATH, True
+    return None, False
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
@@ -28,19 +69,22 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         "probe",
         help="read an engine, the GPUs and the host once and print what kvguard sees",
         description="Read every probe once against the engine (exit 1: engine unreachable,"
-        " 2: usage).",
+        f" or the config (--config, $KVGUARD_CONFIG, else {DEFAULT_CONFIG_PATH}) unreadable"
+        " or invalid; 2: usage).",
     )
     probe.add_argument(
         "--engine-url",
         metavar="URL",
-        help="the engine's base URL: http(s)://HOST:PORT, or HOST:PORT (http assumed)"
-        " (default: [engine] url of --config)",
+        help="the engine's base URL: http(s)://HOST:PORT, or HOST:PORT (http assumed; a"
+        " host without a port is a usage error) (default: [engine] url of the config);"
+        " given without --config or $KVGUARD_CONFIG, it is probed with default settings",
     )
     probe.add_argument(
         "--config",
         metavar="FILE",
         help="probe as this config says ([engine], [gpu], [poll]; default: $KVGUARD_CONFIG"
-        " when set)",
+        f" when set, else {DEFAULT_CONFIG_PATH} when it exists and --engine-url is not"
+        " given)",
     )
     probe.add_argument(
         "--engine-kind", default=None, choices=("auto", *ENGINE_KINDS), help="default: auto"
@@ -52,7 +96,10 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
 def run_probe(args: argparse.Namespace) -> int:
     """One tick against --engine-url, printed."""
     configure_logging("error", "auto")
-    config = _config(args)
+    try:
+        config = _config(args)
+    except DefaultConfigError as exc:
+        return exc.report("probe", f"give --engine-url, --config or ${CONFIG_ENV}")
 
     async def once() -> dict[str, Any]:
         daemon = Daemon(config)
@@ -74,16 +121,23 @@ URL_ALLOWED = (
     "must be an http:// or https:// URL with a host, or HOST:PORT without a scheme"
     " (http:// is assumed)"
 )
+PORT_NEEDED = (
+    "has no port: give HOST:PORT, or a URL with its scheme (http://HOST means port 80,"
+    " https://HOST port 443)"
+)
 
 
 def normalize_url(url: str, flag: str = "--url") -> str:
     """One spelling per kvguard: ``127.0.0.1:9108`` gets ``http://``, a trailing ``/`` goes.
 
     Anything but http(s) with a host (another scheme, no host, a bad port, a query) is
-    a usage error: :class:`InvalidInputError` naming ``flag``, the command exits 2.
+    a usage error: :class:`InvalidInputError` naming ``flag``, the command exits 2. So
+    is a host without scheme and port (``127.0.0.1``): HOST:PORT was meant, and port 80
+    would be read; with a scheme (``http://gateway``) the scheme's port is meant.
     """
     text = url.strip()
-    if "://" not in text:
+    bare = "://" not in text
+    if bare:
         text = "http://" + text
     parts = urlsplit(text)
     try:
@@ -98,19 +152,35 @@ def normalize_url(url: str, flag: str = "--url") -> str:
         or parts.fragment
     ):
         raise InvalidInputError(flag, url, URL_ALLOWED)
+    if bare and parts.port is None:
+        raise InvalidInputError(flag, url, PORT_NEEDED)
     return text.rstrip("/")
 
 
 def _config(args: argparse.Namespace) -> Config:
-    """What to probe: --engine-url alone, or a config file with --engine-url on top."""
+    """What to probe: --engine-url alone, or a config file with --engine-url on top.
+
+    The config: --config, else $KVGUARD_CONFIG, else :data:`DEFAULT_CONFIG_PATH` when it
+    exists and --engine-url is not given; a broken default is :class:`DefaultConfigError`.
+    """
     url = None if args.engine_url is None else normalize_url(args.engine_url, "--engine-url")
-    if args.config is None and not os.environ.get(CONFIG_ENV):
+    # --engine-url alone probes that engine with default settings, as it always did;
+    # the default file stands in only when nothing on the command line says what.
+    path, default = config_path(args.config, use_default=url is None)
+    if path is None:
         if url is None:
             raise InvalidInputError(
-                "--engine-url", None, "needed without --config (or $KVGUARD_CONFIG)"
+                "--engine-url",
+                None,
+                f"needed without --config (or ${CONFIG_ENV}, or {DEFAULT_CONFIG_PATH})",
             )
         return config_for_engine(url, args.engine_kind or "auto")
-    config = load_config(args.config)
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        if default:
+            raise DefaultConfigError(exc) from exc
+        raise
     engine = config.engine
     if url is not None:
         engine = replace(engine, url=config_for_engine(url).engine.url)  # checked as --config's

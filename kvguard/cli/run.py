@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 from typing import Any
@@ -13,7 +12,7 @@ import structlog
 
 from kvguard.api.logs import configure_logging
 from kvguard.cli.check_config import checked_config, print_problems
-from kvguard.config.settings import CONFIG_ENV, Config, exposed_secrets, load_config
+from kvguard.config.settings import Config, exposed_secrets, load_config
 from kvguard.core.snapshot import Snapshot
 from kvguard.errors import ConfigError, KvguardError
 from kvguard.runtime.assembly import build_guard, restart_mode
@@ -70,9 +69,7 @@ def run_daemon(args: argparse.Namespace) -> int:
     """
     try:
         config = checked_config(args.config, strict_secrets=args.strict_secrets)
-    except ConfigError as exc:
-        if not (args.config or os.environ.get(CONFIG_ENV)):
-            raise  # no config named at all: a usage error
+    except ConfigError as exc:  # no config named at all raises a usage error instead
         print_problems("run", exc)
         return EXIT_FAILED
     command = list(args.engine_command or ())

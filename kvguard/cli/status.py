@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -15,11 +14,20 @@ from typing import Any
 
 import aiohttp
 
-from kvguard.cli.probe import fmt_value, gpu_line, normalize_url, source_state
-from kvguard.config.settings import CONFIG_ENV, load_config
+from kvguard.cli import probe
+from kvguard.cli.probe import (
+    DefaultConfigError,
+    config_path,
+    fmt_value,
+    gpu_line,
+    normalize_url,
+    source_state,
+)
+from kvguard.config.fields import listen
+from kvguard.config.settings import CONFIG_ENV, ServerConfig, read_tables
 from kvguard.core.bars import text_bar
 from kvguard.core.units import format_bytes
-from kvguard.errors import KvguardError
+from kvguard.errors import ConfigError, InvalidInputError, KvguardError
 from kvguard.http_client import describe_client_error
 
 DEFAULT_STATUS_URL = "http://127.0.0.1:9108"
@@ -31,7 +39,10 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         "status",
         help="show a running kvguard's /status (live with --watch)",
         description="Read /status from a running kvguard and show it; from several, one line"
-        " per engine, worst first. Exit 0: read; 1: a kvguard could not be read; 2: usage.",
+        " per engine, worst first, each followed by its binding resource, pattern, active"
+        " mitigations and last decision. Exit 0: read; 1: a kvguard could not be read, or"
+        f" the config (--config, $KVGUARD_CONFIG, else {probe.DEFAULT_CONFIG_PATH}) is"
+        " unreadable or invalid; 2: usage.",
     )
     status.add_argument(
         "--url",
@@ -40,21 +51,26 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         action="extend",
         metavar="URL",
         help="kvguard's address: http(s)://HOST:PORT, or HOST:PORT (http assumed); another"
-        " scheme is a usage error (default: [server] listen of --config, else"
-        f" {DEFAULT_STATUS_URL}); several (--url A B, or --url repeated): one line per"
-        " engine, worst first",
+        " scheme, or a host without scheme and port, is a usage error (default: [server]"
+        f" listen of the config, else {DEFAULT_STATUS_URL}); several (--url A B, or --url"
+        " repeated): one line per engine, worst first",
     )
     status.add_argument(
         "--config",
         metavar="FILE",
         help="read kvguard's address from this config's [server] listen (default:"
-        " $KVGUARD_CONFIG when set)",
+        f" $KVGUARD_CONFIG when set, else {probe.DEFAULT_CONFIG_PATH} when it exists;"
+        " not read with --url)",
     )
     status.add_argument("--watch", action="store_true", help="refresh until interrupted")
     status.add_argument(
         "--interval", type=float, default=1.0, metavar="S", help="refresh period (default 1 s)"
     )
-    status.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    status.add_argument(
+        "--json",
+        action="store_true",
+        help="print the raw /status JSON (several URLs: a list of rows, one per engine)",
+    )
     status.set_defaults(handler=run_status)
 
 
@@ -69,7 +85,11 @@ def run_status(args: argparse.Namespace) -> int:
     kvguard), 2 for a usage error. ``--watch`` keeps going through failed reads (a
     kvguard restarting), saying since when it is unreachable.
     """
-    urls: list[str] = list(dict.fromkeys(normalize_url(u) for u in args.urls or [_own_url(args)]))
+    try:
+        given = args.urls or [_own_url(args)]
+    except DefaultConfigError as exc:
+        return exc.report("status", f"give --url, --config or ${CONFIG_ENV}")
+    urls: list[str] = list(dict.fromkeys(normalize_url(u) for u in given))
     fleet = len(urls) > 1
     code = 0
     unreachable_since: float | None = None
@@ -115,13 +135,42 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def _own_url(args: argparse.Namespace) -> str:
-    """Where this host's kvguard listens: --config's (or $KVGUARD_CONFIG's) [server] listen."""
-    if args.config is None and not os.environ.get(CONFIG_ENV):
+    """Where this host's kvguard listens: the config's [server] listen, else the default.
+
+    The config is --config, else $KVGUARD_CONFIG, else ``DEFAULT_CONFIG_PATH`` when it
+    exists (:func:`~kvguard.cli.probe.config_path`); a broken default file is a
+    :class:`DefaultConfigError`.
+    """
+    path, default = config_path(args.config)
+    if path is None:
         return DEFAULT_STATUS_URL
-    server = load_config(args.config).server
+    try:
+        server = server_of(path)
+    except ConfigError as exc:
+        if default:
+            raise DefaultConfigError(exc) from exc
+        raise
     # A wildcard address listens on loopback too; a literal IPv6 needs its brackets.
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(server.host, server.host)  # noqa: S104
     return f"http://{f'[{host}]' if ':' in host else host}:{server.port}"
+
+
+def server_of(path: str) -> ServerConfig:
+    """The config file's [server] listen, and nothing else of it.
+
+    Only the address is needed: the rest is not validated and no secret file is read
+    (under systemd the engine's token is a credential only the service can read).
+    :class:`ConfigError` when the file is unreadable, not TOML, or its listen invalid.
+    """
+    server = read_tables(path).get("server", {})
+    if not isinstance(server, dict):
+        raise ConfigError(path, [("server", server, "must be a table ([section])")])
+    address = server.get("listen", ServerConfig.listen)
+    try:
+        listen("server.listen", address)
+    except InvalidInputError as exc:
+        raise ConfigError(path, [(exc.field, exc.value, exc.allowed)]) from exc
+    return ServerConfig(listen=address)
 
 
 async def fetch_status(session: aiohttp.ClientSession, base_url: str) -> dict[str, Any]:
@@ -145,7 +194,10 @@ class FleetRow:
 
     ``time_to_exhaustion_s`` is the sooner of the KV cache's and the GPU memory's
     forecast (``inf``: neither rises; None: no forecast yet); ``headroom_ratio`` the
-    smaller of the KV cache's free share and the fullest GPU's free share.
+    smaller of the KV cache's free share and the fullest GPU's free share. ``binding``
+    (``pressure.binding_resource``) and ``pattern`` are None while the engine is not
+    read; ``active`` holds the mitigations in force and ``last_decision`` the last
+    decision with its reasons, as the single view's Active and Last lines say them.
     """
 
     url: str
@@ -160,6 +212,10 @@ class FleetRow:
     gpu_free_bytes: int | None = None
     gpu_free_ratio: float | None = None
     gpu_fullest: int | None = None  # NVML index of the GPU with the least free memory
+    binding: str | None = None  # what limits the engine: kv_cache, compute or none
+    pattern: str | None = None  # the traffic pattern
+    active: tuple[str, ...] = ()  # the mitigations in force, e.g. "shed priority=sheddable"
+    last_decision: str | None = None  # "elevated -> high: <crossed>; <reasons>"
 
     @property
     def headroom_ratio(self) -> float | None:
@@ -207,7 +263,8 @@ def fleet_row(url: str, doc: dict[str, Any]) -> FleetRow:
     forecast = pressure.get("forecast") or {}
     tte: float | None = None
     exhausting = None
-    if pressure and engine_unread(doc) is None:  # no forecast without the engine's figures
+    measured = bool(pressure) and engine_unread(doc) is None
+    if measured:  # no forecast, binding or pattern without the engine's figures
         # /status writes +Inf (not rising) as null; a forecast that exists and is null
         # is therefore "not rising", not "unknown".
         candidates = [
@@ -236,6 +293,10 @@ def fleet_row(url: str, doc: dict[str, Any]) -> FleetRow:
         gpu_free_bytes=fullest["free_bytes"] if fullest else None,
         gpu_free_ratio=fullest["free_bytes"] / fullest["total_bytes"] if fullest else None,
         gpu_fullest=fullest["index"] if fullest else None,
+        binding=(pressure.get("binding_resource") or "unknown") if measured else None,
+        pattern=pressure.get("pattern", "unknown") if measured else None,
+        active=tuple(_action_text(a) for a in pressure.get("active") or []),
+        last_decision=last_decision_text(pressure),
     )
 
 
@@ -272,13 +333,44 @@ def exhausts_in(tte: float | None, rising: str) -> str:
     return rising.format(math.floor(tte))  # rounded down: read the sooner figure
 
 
+FLEET_WIDTH = 120  # a detail line longer than this is cut (the whole is in --json)
+FLEET_INDENT = "    "
+
+
+def fleet_details(row: FleetRow) -> list[str]:
+    """The indented lines under a reachable engine's row: what binds, why, what is done.
+
+    ``binding B  pattern P  active A``, then ``last <decision>`` when there was one;
+    nothing for a kvguard that has not decided yet.
+    """
+    if row.level is None and not row.active and row.last_decision is None:
+        return []
+    active = ", ".join(row.active) if row.active else "none"
+    lines = [
+        f"{FLEET_INDENT}binding {row.binding or 'unknown'}  pattern {row.pattern or 'unknown'}"
+        f"  active {active}"
+    ]
+    if row.last_decision is not None:
+        lines.append(f"{FLEET_INDENT}last {row.last_decision}")
+    return [
+        line if len(line) <= FLEET_WIDTH else line[: FLEET_WIDTH - 1] + "\u2026" for line in lines
+    ]
+
+
 def render_fleet(rows: list[FleetRow]) -> str:
-    """One line per engine under a header, in the order given (worst first)."""
-    table = [FLEET_HEADER]
+    """One line per engine under a header, in the order given (worst first).
+
+    Under each reachable engine's line, indented: binding resource, traffic pattern,
+    active mitigations, and the last decision with its reasons (:func:`fleet_details`).
+    """
+    table: list[tuple[str, ...]] = [FLEET_HEADER]
+    details: list[list[str]] = [[]]
     for row in rows:
         if row.error is not None:
             table.append((row.url, "UNREACHABLE", row.error, "", "", "", ""))
+            details.append([])
             continue
+        details.append(fleet_details(row))
         exhausts = exhausts_in(row.time_to_exhaustion_s, f"{{}} s ({row.exhausting})")
         gpu = "no GPU data"
         if row.gpu_free_bytes is not None and row.gpu_free_ratio is not None:
@@ -298,12 +390,12 @@ def render_fleet(rows: list[FleetRow]) -> str:
             )
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(FLEET_HEADER) - 1)]
-    return "\n".join(
-        "  ".join(
-            [*(cell.ljust(w) for cell, w in zip(line, widths, strict=False)), line[-1]]
-        ).rstrip()
-        for line in table
-    )
+    out: list[str] = []
+    for line, below in zip(table, details, strict=True):
+        cells = [*(cell.ljust(w) for cell, w in zip(line, widths, strict=False)), line[-1]]
+        out.append("  ".join(cells).rstrip())
+        out += below
+    return "\n".join(out)
 
 
 def render_status(doc: dict[str, Any]) -> str:
@@ -391,16 +483,23 @@ def pressure_lines(doc: dict[str, Any]) -> list[str]:
         "Active   "
         + (", ".join(_action_text(a) for a in active) if active else "no mitigation in force")
     )
-    decisions = pressure.get("decisions") or []
-    if decisions:
-        last = decisions[0]
-        reasons = "; ".join(str(a.get("reason", a.get("kind"))) for a in last.get("actions") or [])
-        crossed = ", ".join(last.get("crossed") or []) or "nothing crossed"
-        lines.append(
-            f"Last     {last.get('previous_level')} -> {last.get('level')}: {crossed}"
-            + (f"; {reasons}" if reasons else "")
-        )
+    last = last_decision_text(pressure)
+    if last is not None:
+        lines.append(f"Last     {last}")
     return lines
+
+
+def last_decision_text(pressure: dict[str, Any]) -> str | None:
+    """The last decision in words: ``previous -> level: crossed; reasons`` (None: none yet)."""
+    decisions = pressure.get("decisions") or []
+    if not decisions:
+        return None
+    last = decisions[0]
+    reasons = "; ".join(str(a.get("reason", a.get("kind"))) for a in last.get("actions") or [])
+    crossed = ", ".join(last.get("crossed") or []) or "nothing crossed"
+    return f"{last.get('previous_level')} -> {last.get('level')}: {crossed}" + (
+        f"; {reasons}" if reasons else ""
+    )
 
 
 def engine_unread(doc: dict[str, Any]) -> str | None:

@@ -912,9 +912,8 @@ def load_config(
     env = os.environ if env is None else env
     chosen = path or env.get(CONFIG_ENV)
     if not chosen:
-        raise ConfigError(
-            "<config>", [("--config", None, f"give a config file or set {CONFIG_ENV}")]
-        )
+        # No file named: a usage error (exit 2), not an invalid config (1).
+        raise InvalidInputError("--config", None, f"give a config file or set {CONFIG_ENV}")
     data = read_tables(chosen)
     return parse_config(data, source=chosen, env=env, strict_secrets=strict_secrets)
 
