@@ -7,14 +7,16 @@ its commit and every setting, and that the page is generated from it — not how
 policy did.
 """
 
+import itertools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench import efficacy
+from bench import efficacy, efficacy_plot, report
 from bench.efficacy_policies import (
     LLMD_KV_UTIL,
     LLMD_QUEUE_DEPTH,
@@ -23,6 +25,7 @@ from bench.efficacy_policies import (
     predict_linear_alert,
 )
 from bench.efficacy_stats import bootstrap_median, compare, summarize, workload_of
+from tests.test_doc_links import broken_links
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -216,3 +219,76 @@ def test_every_sent_request_ends_one_way_and_observers_share_none_traffic(quick)
             ]
             for figure in ("sent", "completed", "slo_met", "preemptions", "crashes"):
                 assert twin[figure] == none[figure], (observer, figure)
+
+
+def test_a_report_links_its_plots_from_where_it_is_written(tmp_path):
+    """Beside its results (a partial run's page) or in docs/, every image and link resolves."""
+    subset = tmp_path / "bench" / "results" / "efficacy_subset"
+    subset.mkdir(parents=True)
+    shutil.copy(ROOT / "bench" / "results" / "efficacy_process" / "efficacy.json", subset)
+    (subset / "efficacy_mixed.png").write_bytes(b"")
+    beside = report.write(subset, subset / "benchmarks.md")
+    published = report.write(subset, tmp_path / "docs" / "benchmarks.md")
+    assert "![efficacy_mixed.png](efficacy_mixed.png)" in beside.read_text()
+    assert (
+        "![efficacy_mixed.png](../bench/results/efficacy_subset/efficacy_mixed.png)"
+        in published.read_text()
+    )
+    assert broken_links(beside, root=tmp_path) == []
+    assert broken_links(published, root=tmp_path) == []
+    assert report.link(report.ANALYSIS, ROOT / "docs" / "benchmarks.md") == "../bench/analysis.md"
+
+
+def _timeline(actions: list[tuple[float, str]]) -> dict:
+    """A kvguard run's timeline for the plots: usage rising to the pool, demand past it."""
+    engine = [(t / 10, min(1.0, t / 100), 0, 0) for t in range(-20, 300)]
+    forecast = [(t / 10, min(1.0, t / 100), 1.2, "high" if t > 50 else "ok") for t in range(300)]
+    return {"engine": engine, "forecast": forecast, "actions": actions}
+
+
+KINDS = ["shed", "tighten_window", "evict", "cancel_largest", "kv_fp8", "revert_kv_fp8",
+         "release shed", "release tighten_window"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "actions",
+    [
+        pytest.param([(10 + i / 8, kind) for i, kind in enumerate(KINDS)], id="8-kinds-in-1s"),
+        pytest.param([(10 + i / 8, KINDS[i % 2]) for i in range(8)], id="8-actions-2-kinds"),
+        pytest.param([], id="no-action"),
+    ],
+)
+def test_efficacy_plot_labels_do_not_overlap_when_actions_come_close(actions):
+    """Eight actions within a second: every text of the picture drawn apart, none under 8 pt."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.text import Text  # noqa: PLC0415 - optional, like the plots
+
+    series = {
+        "none": _timeline([]),
+        "kvguard": _timeline(actions),
+        "kvguard_dry_run": _timeline([]),
+    }
+    fig = efficacy_plot.figure("mixed", series, seed=1)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    lanes = {t.get_text() for t in fig.axes[1].get_yticklabels()}
+    assert lanes >= {kind for _, kind in actions}  # each kind labels its own lane
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    overlapping = [
+        (a, b)
+        for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2)
+        if box_a.overlaps(box_b)
+    ]
+    assert overlapping == []
+    assert min(t.get_fontsize() for t in texts) >= efficacy_plot.LABEL_PT >= 8
+
+
+def test_efficacy_plot_writes_one_png_per_workload(tmp_path):
+    """plot() saves each workload's figure under its name, an earlier run's PNGs gone."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "efficacy_old.png").write_bytes(b"")
+    series = {"mixed": {"kvguard": _timeline([(1.0, "shed")]), "none": _timeline([])}}
+    assert efficacy_plot.plot(series, tmp_path, seed=1) == ["efficacy_mixed.png"]
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["efficacy_mixed.png"]
+    assert (tmp_path / "efficacy_mixed.png").read_bytes().startswith(b"\x89PNG")

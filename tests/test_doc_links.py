@@ -1,4 +1,8 @@
-"""Relative links in README.md and docs/*.md: the file exists, and a ``#anchor`` names a heading.
+"""Relative links of the docs and reports: the file exists, and a ``#anchor`` names a heading.
+
+The pages are README.md, docs/*.md and bench/results/**/*.md. Those under bench/results/
+are the reports a partial benchmark run writes beside its figures (bench/report.py):
+their plots and links resolve from there, not from docs/.
 
 Anchors follow GitHub's rules for headings (github-slugger): the heading's text as
 rendered (link targets, code ticks and emphasis marks gone), lowercased, every
@@ -14,7 +18,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "bench" / "results").glob("**/*.md")),
+]
 
 # [text](target) or ![alt](target), the target without spaces, an optional "title" after.
 _LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -130,7 +138,58 @@ def test_a_dead_anchor_and_a_missing_file_are_found(tmp_path):
     ]
 
 
+def test_a_report_beside_its_results_is_checked_and_its_old_image_links_are_dead(tmp_path):
+    """The benchmark reports are among the pages, and a plot linked as if from docs/ is dead.
+
+    The reports under bench/results/<subset>/ once linked their plots as
+    ``../bench/results/NAME.png`` (right from docs/ only); from beside the plot it is
+    ``NAME.png``.
+    """
+    reports = [p for p in PAGES if p.is_relative_to(ROOT / "bench" / "results")]
+    assert reports, "no report under bench/results/ is checked"
+    subset = tmp_path / "bench" / "results" / "efficacy_subset"
+    subset.mkdir(parents=True)
+    (subset / "efficacy_mixed.png").write_bytes(b"")
+    (tmp_path / "bench" / "analysis.md").write_text("# Analysis\n")
+    page = subset / "benchmarks.md"
+    page.write_text(
+        "[analysis.md](../bench/analysis.md) [analysis.md](../../analysis.md)\n"
+        "![efficacy_mixed.png](../bench/results/efficacy_mixed.png)\n"
+        "![efficacy_mixed.png](efficacy_mixed.png)\n"
+    )
+    assert broken_links(page, root=tmp_path) == [
+        "bench/results/efficacy_subset/benchmarks.md:1: ../bench/analysis.md (no such file)",
+        "bench/results/efficacy_subset/benchmarks.md:2: ../bench/results/efficacy_mixed.png"
+        " (no such file)",
+    ]
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(page):
     """Each relative link of the page names an existing file and, into a .md page, a heading."""
     assert broken_links(page) == []
+
+
+def test_the_decision_diagram_names_what_the_code_has():
+    """how-it-works.md's flowchart: the patterns, actions and settings it names are real."""
+    import re  # noqa: PLC0415 - one test
+
+    from kvguard.config.settings import _SCHEMA  # noqa: PLC0415 - the schema is private
+    from kvguard.core.pattern import TRAFFIC_PATTERNS  # noqa: PLC0415
+    from kvguard.core.policy import ACTION_KINDS  # noqa: PLC0415
+
+    text = (ROOT / "docs" / "how-it-works.md").read_text()
+    diagram = text.split("```mermaid", 1)[1].split("```", 1)[0]
+    patterns = re.search(r'pat\["traffic pattern: ([^"]+)"\]', diagram)
+    assert patterns is not None
+    named = [p.strip() for p in patterns.group(1).replace("<br/>", " ").split(",")]
+    assert sorted(named) == sorted(TRAFFIC_PATTERNS)
+    plan = re.search(r'plan\["plan: ([^"]+)"\]', diagram)
+    assert plan is not None
+    actions = {a.strip() for a in plan.group(1).replace("<br/>", " ").split(",")}
+    # The fp8 switch is one action both ways in the diagram (kv_fp8 and its revert).
+    assert actions == set(ACTION_KINDS) - {"revert_kv_fp8"}
+    keys = {key for table in _SCHEMA.values() for key in table}
+    for setting in ("hold_s", "confirm_ticks", "min_interval_s"):
+        assert setting in diagram
+        assert setting in keys, setting

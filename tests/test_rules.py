@@ -10,6 +10,7 @@ style it is written in; promtool's own rule count checks that the parser missed 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -24,6 +25,8 @@ UNIT_TESTS = sorted((ROOT / "dashboards" / "prometheus" / "tests").glob("*.yml")
 RUNBOOK = ROOT / "docs" / "runbook.md"
 METRICS = ROOT / "docs" / "metrics.md"
 RUNBOOK_URL = "https://github.com/kvguard/kvguard/blob/main/docs/runbook.md#"
+MONITORING = ROOT / "docs" / "monitoring.md"
+DASHBOARD_JSON = sorted((ROOT / "dashboards" / "grafana").glob("*.json"))
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
@@ -286,3 +289,162 @@ def test_the_parser_reads_block_scalars_and_maps():
     assert rules[1].fields == {"expr": "x > 1\nand y", "for": "5s"}
     assert rules[1].labels == {"severity": "info"}
     assert rules[1].annotations == {"description": "one two", "runbook_url": "https://h/p#a"}
+
+
+# ------------------------------------------------- recording rules, alerts and dashboards
+RECORDING_PASSAGE = "### Recording rules"
+OWN_QUERIES = "your own queries"
+# A rule comment that says a dashboard (Grafana, a panel of ours) reads the series.
+DASHBOARD_CLAIM = re.compile(r"dashboard|grafana", re.I)
+
+
+def rule_comments(text: str) -> dict[str, str]:
+    """Each recording rule's comment: the comment lines last seen above its ``- record:``.
+
+    A comment covers the rules after it up to the next comment (two rules may share
+    one). The file's header, above ``groups:``, belongs to no rule.
+    """
+    comments: dict[str, str] = {}
+    block: list[str] = []
+    in_comment = False
+    body = text[text.index("\ngroups:") :]
+    for line in body.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            block = block if in_comment else []
+            block.append(stripped.lstrip("#").strip())
+            in_comment = True
+            continue
+        in_comment = False
+        head = re.match(r"^ *- record: *(\S+)", line)
+        if head:
+            comments[head[1]] = " ".join(block)
+    return comments
+
+
+def dashboard_queries() -> list[str]:
+    """Every PromQL text of the shipped dashboards: panel targets and variable queries."""
+
+    def walk(node: object) -> list[str]:
+        if isinstance(node, dict):
+            found = []
+            for key, value in node.items():
+                if key in ("expr", "query", "definition") and isinstance(value, str):
+                    found.append(value)
+                else:
+                    found += walk(value)
+            return found
+        if isinstance(node, list):
+            return [text for item in node for text in walk(item)]
+        return []
+
+    return [q for path in DASHBOARD_JSON for q in walk(json.loads(path.read_text()))]
+
+
+def reads(expr: str, name: str) -> bool:
+    """Whether a PromQL expression reads the recorded series ``name``."""
+    return name in RECORDED_NAME.findall(expr)
+
+
+def recording_passage(text: str) -> dict[str, str]:
+    """docs/monitoring.md's recording-rules table: each recorded name and its "read by" cell."""
+    start = text.index(RECORDING_PASSAGE)
+    end = text.find("\n#", start + 1)
+    rows: dict[str, str] = {}
+    for line in text[start : end if end >= 0 else None].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 3 or set(cells[0]) <= set("-: "):
+            continue
+        for name in re.findall(r"`([^`]+)`", cells[0]):
+            if RECORD_NAME.match(name):
+                assert name not in rows, f"{name} listed twice"
+                rows[name] = cells[-1]
+    return rows
+
+
+def test_every_recording_rule_is_read_by_an_alert_or_documented_for_own_queries():
+    """A recorded series earns its keep: an alert of the file reads it, or the docs offer it.
+
+    docs/monitoring.md's table lists every recorded name; its "read by" cell names the
+    alerts whose expressions read the series (exactly those), or says "your own
+    queries". The header's promise that the dashboards query raw series holds too.
+    """
+    rows = recording_passage(MONITORING.read_text())
+    assert set(rows) == {r.name for r in RECORDS}, "the docs' table and the rules file differ"
+    for record in RECORDS:
+        readers = {a.name for a in ALERTS if reads(a.fields["expr"], record.name)}
+        cell = rows[record.name]
+        named = set(re.findall(r"KVGuard\w+", cell))
+        if readers:
+            assert named == readers, (record.name, cell, readers)
+        else:
+            assert named == set(), (record.name, cell, "no alert reads it")
+            assert cell == OWN_QUERIES, (record.name, cell)
+
+
+def test_rule_comments_claim_no_dashboard_or_alert_that_does_not_read_the_rule():
+    """A rule's comment says a dashboard reads it only if one does; the same for an alert.
+
+    The file's header says the dashboards query raw series: no dashboard query may read
+    a recorded series while it says so.
+    """
+    text = RULES.read_text()
+    comments = rule_comments(text)
+    assert set(comments) == {r.name for r in RECORDS}
+    queries = dashboard_queries()
+    assert queries, "no dashboard query found"
+    used = {r.name for r in RECORDS if any(reads(q, r.name) for q in queries)}
+    header = " ".join(line.lstrip("# ") for line in text[: text.index("\ngroups:")].splitlines())
+    if "dashboards query the raw kvguard_* series" in header:
+        assert used == set(), "the header says the dashboards query raw series"
+    false_claims = [
+        f"{name}: {comment}"
+        for name, comment in comments.items()
+        if DASHBOARD_CLAIM.search(comment) and name not in used
+    ]
+    assert false_claims == []
+    for name, comment in comments.items():
+        for alert in re.findall(r"(KVGuard\w+) reads it", comment):
+            assert any(a.name == alert and reads(a.fields["expr"], name) for a in ALERTS), (
+                name,
+                alert,
+            )
+
+
+def test_the_rule_and_dashboard_readers_find_what_they_look_for(tmp_path):
+    """The comment reader ties comments to the rules below them; a false claim is found."""
+    text = (
+        "# header: the dashboards say nothing here\n"
+        "groups:\n"
+        "  - name: g\n"
+        "    rules:\n"
+        "      # The fullest GPU: the fleet dashboard sorts on it.\n"
+        "      - record: a:b:c\n"
+        "        expr: min(x)\n"
+        "      # Two rules, one comment,\n"
+        "      # over two lines.\n"
+        "      - record: a:b:d\n"
+        "        expr: max(x)\n"
+        "      - record: a:b:e\n"
+        "        expr: sum(x)\n"
+    )
+    assert rule_comments(text) == {
+        "a:b:c": "The fullest GPU: the fleet dashboard sorts on it.",
+        "a:b:d": "Two rules, one comment, over two lines.",
+        "a:b:e": "Two rules, one comment, over two lines.",
+    }
+    assert DASHBOARD_CLAIM.search(rule_comments(text)["a:b:c"])
+    assert reads("bottomk(10, a:b:c)", "a:b:c")
+    assert not reads("bottomk(10, a:b:cd)", "a:b:c")
+    assert not reads("x:a:b:c", "a:b:c")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "### Recording rules: x\n\n| series | what | read by |\n|---|---|---|\n"
+        "| `a:b:c`, `a:b:d` | it | `KVGuardX` |\n| `a:b:e` | it | your own queries |\n"
+        "\n## Next\n| `a:b:f` | not in the passage | x |\n"
+    )
+    assert recording_passage(page.read_text()) == {
+        "a:b:c": "`KVGuardX`",
+        "a:b:d": "`KVGuardX`",
+        "a:b:e": "your own queries",
+    }
