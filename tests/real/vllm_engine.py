@@ -465,6 +465,7 @@ class UsageWatch:
         self.peak_waiting = 0.0
         self.peak_running = 0.0
         self.samples = 0
+        self.dropped = 0  # scrapes lost to a dropped connection (retried next sample)
         self.busiest: EngineMetrics | None = None  # the scrape at the highest usage
         self._task: asyncio.Task[None] | None = None
 
@@ -487,7 +488,14 @@ class UsageWatch:
 
     async def _run(self) -> None:
         while True:
-            metrics = await scrape(self.http, self.url)
+            try:
+                metrics = await scrape(self.http, self.url)
+            except aiohttp.ClientConnectionError:
+                # A pooled connection the busy server dropped as it was reused: one
+                # sample lost, not the burst's measurement.
+                self.dropped += 1
+                await asyncio.sleep(0.05)
+                continue
             self.samples += 1
             usage = metrics["vllm:kv_cache_usage_perc"]
             if self.busiest is None or usage > self.peak_usage:
