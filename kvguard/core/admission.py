@@ -369,9 +369,6 @@ def in_flight_tokens(reserved: int, engine_used: int | None) -> int:
 
 KV_EXHAUSTION_SETTINGS = ("auto", "preempt", "fail")
 KvExhaustion = Literal["preempt", "fail"]
-# Engines that preempt (vLLM: recompute) or retract (SGLang) a running request when its
-# next block is not there, and resume it later; by the metric-name prefix they show.
-PREEMPTING_KINDS = ("vllm", "sglang")
 
 
 def kv_exhaustion(
