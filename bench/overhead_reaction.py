@@ -7,7 +7,10 @@ every ``PROBE_EVERY_S``; after ``CALM_S`` of calm (the daemon has ticked at ``ok
 burst of long standard requests fills the engine's small KV pool. The daemon's
 ``after_tick`` callback records the first tick whose decision is ``high`` or worse
 (its snapshot's time: when the probes had read the engine); the prober records when
-the first 503 came back. Reaction = first 503 - that tick.
+the first 503 of the ladder's shed came back (code ``kv_cache_pressure``; a 503 of
+admission's own, ``kv_pool_full`` after ``admission_wait_s`` without room, is another
+mechanism: recorded as ``other_503_before_shed``, not timed). Reaction = first shed 503
+- that tick.
 
 ``tighten_window`` is disabled in ``[policy]`` so the first response at ``high`` is a
 shed whatever pattern the brief burst is classified as (the ladder falls through to
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import statistics
 import time
 from typing import Any
@@ -54,6 +58,9 @@ TRIAL_LIMIT_S = 10.0
 VARIANTS = {"immediate": {"shed_ratio": 0.0}, "default": {}}
 PROBE_BODY = {"model": "kvguard-sim", "prompt": "hi", "max_tokens": 1}
 BURST_BODY = {"model": "kvguard-sim", "prompt": "word " * 600, "max_tokens": 600}
+# The code of the ladder's shed 503 (admission's own, after waiting for room, is
+# kv_pool_full): only the ladder's is the reaction measured.
+LADDER_SHED_CODE = "kv_cache_pressure"
 
 
 async def trial(variant: str, seed: int) -> dict[str, Any]:
@@ -114,10 +121,16 @@ async def _drive(proxy_url: str, server: SimServer, marks: dict[str, Any]) -> No
                 async with http.post(
                     f"{proxy_url}/v1/completions", json=PROBE_BODY, headers=headers
                 ) as resp:
-                    await resp.read()
-                    if resp.status == 503 and not shed.is_set():
+                    body = await resp.read()
+                    if resp.status != 503 or shed.is_set():
+                        return
+                    if _error_code(body) == LADDER_SHED_CODE:
                         marks["first_503_at"] = time.monotonic()
                         shed.set()
+                    else:
+                        # Admission's own 503 (no room after admission_wait_s, code
+                        # kv_pool_full) is not the ladder's reaction: noted, not timed.
+                        marks.setdefault("first_other_503_at", time.monotonic())
 
         async def burst_one() -> None:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, TimeoutError):
@@ -140,6 +153,17 @@ async def _drive(proxy_url: str, server: SimServer, marks: dict[str, Any]) -> No
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _error_code(body: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI-style error body, None when there is none."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    error = doc.get("error") if isinstance(doc, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _ms(later: float | None, earlier: float | None) -> float | None:
@@ -166,6 +190,9 @@ def _trial_result(variant: str, seed: int, marks: dict[str, Any]) -> dict[str, A
         "usage_high_to_high_tick_ms": _ms(high, usage),
         "usage_high_to_first_503_ms": _ms(shed, usage),
         "shed": shed is not None,
+        # A 503 of admission's own (kv_pool_full) before the ladder's, if any.
+        "other_503_before_shed": "first_other_503_at" in marks
+        and (shed is None or marks["first_other_503_at"] < shed),
     }
 
 
