@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import structlog
 
-from kvguard.api.logs import finite_numbers, strict_json
+from kvguard.api.logs import log_processors, strict_json
 from kvguard.config.model_files import load_model_files
 from kvguard.core.budget import BudgetInputs, BudgetReport, plan_budget
 from kvguard.sim.engine import TimeModel
@@ -40,17 +40,9 @@ def strict_log_line(logger: Any, method: str, event_dict: Any) -> Any:
     a test failure wherever it is logged.
     """
     assert "level" not in event_dict, f"{event_dict.get('event')}: 'level' is the severity's key"
-    line = structlog.processors.JSONRenderer(serializer=strict_json)(
-        logger,
-        method,
-        structlog.processors.TimeStamper(fmt="iso", utc=True)(
-            logger,
-            method,
-            structlog.processors.add_log_level(
-                logger, method, finite_numbers(logger, method, dict(event_dict))
-            ),
-        ),
-    )
+    line: Any = dict(event_dict)
+    for processor in log_processors(structlog.processors.JSONRenderer(serializer=strict_json)):
+        line = processor(logger, method, line)
     parsed = json.loads(line, parse_constant=_refuse_constant)
     assert parsed["event"] == event_dict["event"]
     return event_dict

@@ -542,17 +542,27 @@ async def test_status_shows_the_pressure_and_takes_a_bare_address(watched):
     assert "Active   no mitigation in force" in text
 
 
-async def test_status_watch_keeps_going_while_kvguard_is_away():
-    """--watch on an address nothing answers: it redraws "unreachable since", never exits."""
+async def _status_watch(address: str) -> asyncio.subprocess.Process:
+    """``kvguard status --url ADDRESS --watch`` every 0.05 s, its stdout piped.
+
+    A test run in the background ignores SIGINT, and an ignored signal stays ignored
+    across exec: with a handler set here meanwhile, the child gets the default one and
+    the test's Ctrl-C (send_signal) stops it as a user's would.
+    """
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        proc = await asyncio.create_subprocess_exec(
+        return await asyncio.create_subprocess_exec(
             KVGUARD,
-            *("status", "--url", f"127.0.0.1:{free_port()}", "--watch", "--interval", "0.05"),
+            *("status", "--url", address, "--watch", "--interval", "0.05"),
             stdout=asyncio.subprocess.PIPE,
         )
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+async def test_status_watch_keeps_going_while_kvguard_is_away():
+    """--watch on an address nothing answers: it redraws "unreachable since", never exits."""
+    proc = await _status_watch(f"127.0.0.1:{free_port()}")
     assert proc.stdout is not None
     seen = b""
     async with asyncio.timeout(15):
@@ -588,15 +598,7 @@ async def test_status_watch_shows_kvguard_again_once_it_is_back(watched):
         return runner
 
     runner: web.AppRunner | None = await serve()
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # see the test above
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            KVGUARD,
-            *("status", "--url", f"127.0.0.1:{port}", "--watch", "--interval", "0.05"),
-            stdout=asyncio.subprocess.PIPE,
-        )
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    proc = await _status_watch(f"127.0.0.1:{port}")
     assert proc.stdout is not None
     stdout = proc.stdout
     seen = b""

@@ -36,13 +36,7 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     )
     min_level = logging.getLevelName(level.upper())
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            finite_numbers,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
+        processors=log_processors(renderer),
         wrapper_class=structlog.make_filtering_bound_logger(min_level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
@@ -56,6 +50,20 @@ def configure_logging(level: str = "info", fmt: str = "auto") -> None:
     # The root's level gates what reaches the bridge. aiohttp logs a malformed request
     # at ERROR, which passes any level: the bridge demotes it to debug itself.
     root.setLevel(min_level)
+
+
+def log_processors(renderer: structlog.types.Processor) -> list[structlog.types.Processor]:
+    """The chain of one log event: context, finite numbers, severity, time, ``renderer``.
+
+    Strict JSON lines with ``structlog.processors.JSONRenderer(serializer=strict_json)``.
+    """
+    return [
+        structlog.contextvars.merge_contextvars,
+        finite_numbers,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        renderer,
+    ]
 
 
 def finite_numbers(

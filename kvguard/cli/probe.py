@@ -7,8 +7,9 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from kvguard.api.logs import configure_logging
@@ -26,6 +27,7 @@ PROBE_ENGINE_KEYS = tuple(EngineStats.__dataclass_fields__)
 # with: on such a host a bare `kvguard status` or `kvguard probe` reads it too. Read at
 # call time (config_path), so a test can point it elsewhere.
 DEFAULT_CONFIG_PATH = "/etc/kvguard/kvguard.toml"
+T = TypeVar("T")
 EXIT_DEFAULT_CONFIG = 1  # the default file is broken: the host's fault, not a usage error
 
 
@@ -61,6 +63,20 @@ def config_path(given: str | None, *, use_default: bool = True) -> tuple[str | N
     if use_default and os.path.lexists(DEFAULT_CONFIG_PATH):
         return DEFAULT_CONFIG_PATH, True
     return None, False
+
+
+def read_chosen(path: str, default: bool, read: Callable[[str], T]) -> T:
+    """``read(path)``, a broken default file (``default``) told apart.
+
+    From the default file a :class:`ConfigError` is a :class:`DefaultConfigError`: the
+    same problems, and how to do without it.
+    """
+    try:
+        return read(path)
+    except ConfigError as exc:
+        if default:
+            raise DefaultConfigError(exc) from exc
+        raise
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
@@ -175,12 +191,7 @@ def _config(args: argparse.Namespace) -> Config:
                 f"needed without --config (or ${CONFIG_ENV}, or {DEFAULT_CONFIG_PATH})",
             )
         return config_for_engine(url, args.engine_kind or "auto")
-    try:
-        config = load_config(path)
-    except ConfigError as exc:
-        if default:
-            raise DefaultConfigError(exc) from exc
-        raise
+    config = read_chosen(path, default, load_config)
     engine = config.engine
     if url is not None:
         engine = replace(engine, url=config_for_engine(url).engine.url)  # checked as --config's

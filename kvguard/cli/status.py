@@ -21,6 +21,7 @@ from kvguard.cli.probe import (
     fmt_value,
     gpu_line,
     normalize_url,
+    read_chosen,
     source_state,
 )
 from kvguard.config.fields import listen
@@ -144,12 +145,7 @@ def _own_url(args: argparse.Namespace) -> str:
     path, default = config_path(args.config)
     if path is None:
         return DEFAULT_STATUS_URL
-    try:
-        server = server_of(path)
-    except ConfigError as exc:
-        if default:
-            raise DefaultConfigError(exc) from exc
-        raise
+    server = read_chosen(path, default, server_of)
     # A wildcard address listens on loopback too; a literal IPv6 needs its brackets.
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(server.host, server.host)  # noqa: S104
     return f"http://{f'[{host}]' if ':' in host else host}:{server.port}"

@@ -180,7 +180,7 @@ def listen(name: str, value: object) -> object:
     return value
 
 
-WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")  # noqa: S104 - names, not a bind
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*")  # noqa: S104 - names, not a bind
 
 
 def same_listen(first: str, second: str) -> bool:
@@ -189,13 +189,16 @@ def same_listen(first: str, second: str) -> bool:
     The same port on the same host, or on any host where either is a wildcard (it
     takes every address); ``localhost`` is 127.0.0.1.
     """
-    host_a, _, port_a = first.rpartition(":")
-    host_b, _, port_b = second.rpartition(":")
+    (host_a, port_a), (host_b, port_b) = (_host_and_port(a) for a in (first, second))
     if port_a != port_b:
         return False
-    a, b = (h.strip("[]").lower().replace("localhost", "127.0.0.1") for h in (host_a, host_b))
-    wild = {w.strip("[]") for w in WILDCARD_HOSTS}
-    return a == b or a in wild or b in wild
+    return host_a == host_b or host_a in WILDCARD_HOSTS or host_b in WILDCARD_HOSTS
+
+
+def _host_and_port(address: str) -> tuple[str, str]:
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]").lower()
+    return ("127.0.0.1" if host == "localhost" else host), port
 
 
 def list_of(item: Parser) -> Parser:

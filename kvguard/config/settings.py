@@ -529,7 +529,7 @@ class Config:
         """
         shown: dict[str, Any] = {"source": self.source}
         for name in _TABLES:
-            shown[name] = _keyed_as_in_the_file(getattr(self, name))
+            shown[name] = _shown(getattr(self, name))
         for name, body in file_form(self).items():
             # [policy], [forecast], [pattern] as the file writes them, and keys a table
             # of the file holds for the config's own settings.
@@ -537,19 +537,6 @@ class Config:
             for key, value in body.items():
                 table.setdefault(key, value)
         return shown
-
-
-def _keyed_as_in_the_file(section: object) -> dict[str, object]:
-    """One table's settings under the file's keys, each shown as its setting says."""
-    table: dict[str, object] = {}
-    last: dict[str, object] = {}
-    for spec in fields(section):  # type: ignore[arg-type]
-        declared = setting_of(spec)
-        item = getattr(section, spec.name)
-        key = declared.key if declared and declared.key else spec.name
-        into = last if declared and declared.shown_last else table
-        into[key] = declared.shown(item) if declared and declared.shown else _shown(item)
-    return {**table, **last}
 
 
 # Settings whose values are, or may hold, secrets: never printed as a file would take them
@@ -642,7 +629,8 @@ def _plain(value: object) -> object:
 def _shown(value: object) -> object:
     """``value`` as JSON-ready values, secrets hidden (tuples and sets become lists).
 
-    A dataclass becomes a table of its fields, each shown as its setting says.
+    A dataclass (a table of the file) becomes a table of its settings under the file's
+    keys, each shown as its setting says.
     """
     if isinstance(value, Secret):
         return "***"
@@ -653,7 +641,8 @@ def _shown(value: object) -> object:
             declared = setting_of(spec)
             item = getattr(value, spec.name)
             into = last if declared and declared.shown_last else table
-            into[spec.name] = declared.shown(item) if declared and declared.shown else _shown(item)
+            key = declared.key if declared and declared.key else spec.name
+            into[key] = declared.shown(item) if declared and declared.shown else _shown(item)
         return {**table, **last}
     if isinstance(value, Mapping):
         return {str(k): _shown(v) for k, v in value.items()}
