@@ -29,6 +29,7 @@ from kvguard.http_client import client_session, describe_client_error
 from kvguard.probes.engines import ADAPTERS, EngineAdapter, EngineScrape
 from kvguard.probes.engines.base import KIND_PREFIXES, PROBE_NAME, detect_kind, health_path_for
 from kvguard.probes.engines.llamacpp import LlamacppAdapter
+from kvguard.probes.engines.wanted import FamilyCache
 
 T = TypeVar("T")
 
@@ -143,6 +144,8 @@ class EngineProbe:
         # The health path the last metrics body called for, when the adapter's engine
         # comes in servers with different ones (TensorRT-LLM: Triton or trtllm-serve).
         self._health_path: str | None = None
+        # The families read at the last scrape: those unchanged are not parsed again.
+        self._families = FamilyCache()
 
     @property
     def kind(self) -> EngineKind | None:
@@ -257,6 +260,7 @@ class EngineProbe:
             props=_json_object(extras.get("/props")),
             healthy=healthy,
             previous=self._last,
+            families=self._families,
         )
         stats = await self._off_loop(len(text), lambda: adapter.parse(scrape))
         self._last = stats

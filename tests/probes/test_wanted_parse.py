@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvguard.errors import ProbeError
 from kvguard.probes.engines import ADAPTERS
 from kvguard.probes.engines.base import Samples, keep_lines
-from kvguard.probes.engines.wanted import parse_wanted
+from kvguard.probes.engines.wanted import FamilyCache, parse_wanted
 
 ROOT = Path(__file__).parent.parent / "fixtures"
 EXPOSITIONS = sorted(
@@ -163,3 +163,36 @@ def test_a_bad_line_in_a_family_nobody_reads_no_longer_fails_the_tick():
     fast = parse_wanted(damaged, READS["vllm"])
     assert fast is not None
     assert same(fast, strict(VLLM, READS["vllm"]))
+
+
+def test_the_family_cache_never_changes_what_is_read():
+    """Scrape after scrape, a probe's cache gives what a fresh parse gives.
+
+    The pages alternate between a busy and an idle engine (every family read changes),
+    repeat (nothing changes), turn malformed in between (strict path) and change the
+    names read; each answer is compared with a parse without the cache.
+    """
+    idle = (ROOT / "engines" / "vllm-cpu-idle.txt").read_text()
+    damaged = VLLM.replace('vllm:num_requests_running{engine="0"', "vllm:num_requests_running{x", 1)
+    cache = FamilyCache()
+    pages = [VLLM, VLLM, idle, VLLM, damaged, VLLM, idle, idle]
+    reads = [READS["vllm"]] * len(pages) + [READS["sglang"], READS["vllm"]]
+    for page, read in zip([*pages, VLLM, VLLM], reads, strict=True):
+        assert parse_wanted(page, read, cache) == parse_wanted(page, read)
+
+
+def test_an_unchanged_family_is_not_parsed_again():
+    """The second scrape of the same page reuses the first's samples (the same objects)."""
+    cache = FamilyCache()
+    first = parse_wanted(VLLM, READS["vllm"], cache)
+    again = parse_wanted(VLLM, READS["vllm"], cache)
+    assert first is not None
+    assert again is not None
+    name = "vllm:cache_config_info"
+    assert again[name] == first[name]
+    assert again[name][0][0] is first[name][0][0]  # reused: not parsed again
+    idle = (ROOT / "engines" / "vllm-cpu-idle.txt").read_text()
+    changed = parse_wanted(idle, READS["vllm"], cache)
+    assert changed is not None
+    running = "vllm:num_requests_running"
+    assert changed[running] == parse_wanted(idle, READS["vllm"])[running]

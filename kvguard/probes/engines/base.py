@@ -33,7 +33,7 @@ from kvguard.probes.engines.exposition import (
     SAMPLE_LINE,
     names_for,
 )
-from kvguard.probes.engines.wanted import parse_wanted
+from kvguard.probes.engines.wanted import FamilyCache, parse_wanted
 
 PROBE_NAME = "engine"
 
@@ -58,7 +58,9 @@ class EngineScrape:
     are llama.cpp's ``/slots`` and ``/props`` JSON when fetched and readable;
     ``healthy`` is false when the health endpoint did not answer 2xx. ``previous``
     is this probe's last reading, for an engine whose answer may carry no figures
-    (trtllm-serve's empty list keeps the capacity it reported before).
+    (trtllm-serve's empty list keeps the capacity it reported before). ``families`` is
+    the probe's :class:`~kvguard.probes.engines.wanted.FamilyCache`: the families read
+    that did not change since the last scrape are not parsed again.
     """
 
     metrics_text: str
@@ -66,6 +68,7 @@ class EngineScrape:
     props: dict[str, Any] | None = None
     healthy: bool = True
     previous: EngineStats | None = None
+    families: FamilyCache | None = None
 
 
 class EngineAdapter(Protocol):
@@ -285,7 +288,9 @@ def keep_lines(text: str, reads: Collection[str]) -> str:
     return "\n".join(kept)
 
 
-def parse_exposition(text: str, reads: Collection[str] | None = None) -> Samples:
+def parse_exposition(
+    text: str, reads: Collection[str] | None = None, cache: FamilyCache | None = None
+) -> Samples:
     """Parse Prometheus text exposition into :class:`Samples`.
 
     With ``reads``, only those samples' lines are parsed: by :func:`parse_wanted`
@@ -297,7 +302,7 @@ def parse_exposition(text: str, reads: Collection[str] | None = None) -> Samples
     if reads is not None:
         # The common case (a well-formed page, a few families read) without
         # prometheus_client's per-character parse; anything else takes the strict path.
-        fast = parse_wanted(text, reads)
+        fast = parse_wanted(text, reads, cache)
         if fast is not None:
             return Samples(fast)
         text = keep_lines(text, reads)

@@ -45,7 +45,7 @@ class LlamacppAdapter:
 
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one llama-server scrape."""
-        samples = parse_exposition(scrape.metrics_text, self.reads)
+        samples = parse_exposition(scrape.metrics_text, self.reads, scrape.families)
         unified = self.kv_unified is True
         capacity, used = _from_slots(scrape.slots, unified=unified)
         if capacity is None:

@@ -86,7 +86,7 @@ class SglangAdapter:
 
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one SGLang scrape."""
-        samples = parse_exposition(scrape.metrics_text, self.reads)
+        samples = parse_exposition(scrape.metrics_text, self.reads, scrape.families)
         # Ranks of one pool report the same pool: the smallest capacity is the
         # one every rank can hold; for use, the fullest rank is the safe reading.
         capacity = _per_pool(samples, CAPACITY, min)

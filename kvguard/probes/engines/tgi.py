@@ -47,7 +47,7 @@ class TgiAdapter:
 
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one TGI scrape."""
-        samples = parse_exposition(scrape.metrics_text, self.reads)
+        samples = parse_exposition(scrape.metrics_text, self.reads, scrape.families)
         capacity = as_int(samples.total("tgi_batch_max_total_tokens"))
         used = as_int(samples.total("tgi_batch_current_max_tokens"))
         return EngineStats(

@@ -93,7 +93,7 @@ def is_iteration_stats(metrics_text: str) -> bool:
 
 def _parse_triton(scrape: EngineScrape) -> EngineStats:
     """Triton's ``nv_trt_llm_*`` gauges, added over its ``model`` and ``version`` labels."""
-    samples = parse_exposition(scrape.metrics_text, READS)
+    samples = parse_exposition(scrape.metrics_text, READS, scrape.families)
     max_blocks = as_int(samples.total(KV_BLOCKS, kv_cache_block_type="max"))
     used_blocks = as_int(samples.total(KV_BLOCKS, kv_cache_block_type="used"))
     # Every model instance of one engine uses one block size.

@@ -74,7 +74,7 @@ class VllmAdapter:
 
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one vLLM scrape."""
-        samples = parse_exposition(scrape.metrics_text, self.reads)
+        samples = parse_exposition(scrape.metrics_text, self.reads, scrape.families)
         configs = _cache_configs(samples)
         usage_by_engine = _usage_by_engine(samples)
         blocks, capacity_tokens = _capacity(configs)

@@ -12,7 +12,10 @@ case: it finds the families by their ``# HELP``/``# TYPE`` lines (one ``str.find
 per descriptor, not a regex per line), skips the families nobody reads without
 looking inside them, and parses the wanted ones with strict regular expressions,
 giving exactly the samples ``prometheus_client`` gives (names, counters' ``_total``,
-label unescaping, int or float values). It answers None — and the caller takes the
+label unescaping, int or float values). With a :class:`FamilyCache` (one per probe), a
+wanted family whose lines are the same as at the last scrape is not parsed again: its
+samples from then are reused (``cache_config_info``, dozens of labels per engine, never
+changes; on an idle engine nothing does). It answers None — and the caller takes the
 strict path, whose behaviour on bad input is unchanged — whenever the page is not
 plainly exposition: no trailing newline (a cut body), text before the first family,
 any line of a wanted family or of the last family that is not plainly a descriptor
@@ -50,10 +53,46 @@ _ALLOWED_SUFFIXES = {
 _TYPES = frozenset({"counter", "gauge", "summary", "histogram", "untyped"})
 
 
-def parse_wanted(text: str, reads: Collection[str]) -> dict[str, Series] | None:
+class FamilyCache:
+    """The wanted families of one engine's last scrape: their lines and their samples.
+
+    Owned by one probe (one engine, one set of names read). Only the families read at
+    the last scrape are kept, so it holds a few KB whatever the engine exports.
+    """
+
+    def __init__(self) -> None:
+        self._reads: frozenset[str] | None = None
+        self._families: dict[tuple[str, int], tuple[str, list[tuple[str, Labels, float]]]] = {}
+
+    def parsed(
+        self, reads: frozenset[str], blocks: dict[tuple[str, int], str]
+    ) -> dict[tuple[str, int], list[tuple[str, Labels, float]] | None]:
+        """Each block's samples (None: not plain exposition); unchanged blocks reused."""
+        if reads != self._reads:
+            self._reads, self._families = reads, {}
+        out: dict[tuple[str, int], list[tuple[str, Labels, float]] | None] = {}
+        kept: dict[tuple[str, int], tuple[str, list[tuple[str, Labels, float]]]] = {}
+        for key, block in blocks.items():
+            last = self._families.get(key)
+            if last is not None and last[0] == block:
+                samples: list[tuple[str, Labels, float]] | None = last[1]
+            else:
+                samples = _parse_family(key[0], block, reads)
+            out[key] = samples
+            if samples is not None:
+                kept[key] = (block, samples)
+        self._families = kept
+        return out
+
+
+def parse_wanted(
+    text: str, reads: Collection[str], cache: FamilyCache | None = None
+) -> dict[str, Series] | None:
     """The samples of ``reads`` in ``text`` (name -> [(labels, value)]), or None.
 
     None means "take the strict path": the text is not plainly exposition here.
+    ``cache`` (the probe's own) skips parsing the wanted families that did not change
+    since its last scrape; the result is the same with or without it.
     """
     if not text.endswith("\n"):
         return None
@@ -62,17 +101,24 @@ def parse_wanted(text: str, reads: Collection[str]) -> dict[str, Series] | None:
     blocks = _family_blocks(text)
     if not blocks or not _only_comments(text[: blocks[0][1]]):
         return None
+    last_name, last_start, last_end = blocks[-1]
+    if last_name not in families and _parse_family(last_name, text[last_start:last_end]) is None:
+        return None  # the last family is only checked: a cut body ends there
+    # Wanted families in page order, keyed by (name, index): a name may come twice.
+    read = {
+        (name, index): text[start:end]
+        for index, (name, start, end) in enumerate(blocks)
+        if name in families
+    }
+    if cache is None:
+        parsed = {key: _parse_family(key[0], block, wanted) for key, block in read.items()}
+    else:
+        parsed = cache.parsed(wanted, read)
     by_name: dict[str, Series] = {}
-    last = len(blocks) - 1
-    for index, (name, start, end) in enumerate(blocks):
-        if name not in families and index != last:
-            continue  # a family nobody reads: skipped whole
-        parsed = _parse_family(name, text[start:end], wanted if name in families else None)
-        if parsed is None:
+    for samples in parsed.values():
+        if samples is None:
             return None
-        if name not in families:
-            continue  # the last family, only checked (a cut body ends there)
-        for sample_name, labels, value in parsed:
+        for sample_name, labels, value in samples:
             if sample_name in wanted:
                 by_name.setdefault(sample_name, []).append((labels, value))
     return by_name
