@@ -40,6 +40,11 @@ upstream engine {
     keepalive 16;
 }
 
+upstream kvguard {
+    server KVGUARD max_fails=0;
+    keepalive 4;
+}
+
 server {
     listen LISTEN;
 
@@ -64,9 +69,10 @@ server {
 
     location = /_kvguard {
         internal;
-        proxy_pass http://KVGUARD/admission;
+        proxy_pass http://kvguard/admission;
         proxy_pass_request_body off;
         proxy_set_header Content-Length "";
+        proxy_set_header Connection "";
         proxy_set_header X-Priority $http_x_priority;
         proxy_connect_timeout 1s;
         proxy_read_timeout 2s;
