@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,20 +126,16 @@ def wait_http(proc: Proc, url: str, timeout_s: float = START_TIMEOUT_S) -> None:
     raise BenchProcessError(f"{proc.name}: {url} did not answer 200 in {timeout_s:g} s")
 
 
-def start_stub(tmp: Path, name: str = "stub", metrics: Path | None = None) -> Proc:
-    """The fast stub upstream (bench/overhead_stub.py) on a free port."""
+def start_stub(tmp: Path, name: str = "stub", metrics: Sequence[Path] = ()) -> Proc:
+    """The fast stub upstream (bench/overhead_stub.py) on a free port.
+
+    ``metrics``: the exposition pages its ``/metrics`` answers in turn (default: an idle vLLM's).
+    """
     argv = [PYTHON, "-m", "bench.overhead_stub", "--port", "0"]
-    if metrics is not None:
-        argv += ["--metrics", str(metrics)]
+    if metrics:
+        argv += ["--metrics", *map(str, metrics)]
     proc = spawn(name, argv, tmp / f"{name}.log")
     proc.url = wait_for_log(proc, r"listening on (http://127\.0\.0\.1:\d+)").group(1)
-    return proc
-
-
-def start_sim_engine(tmp: Path) -> Proc:
-    """``kvguard sim-engine`` (vLLM flavor, idle) on a free port."""
-    proc = spawn("sim-engine", [KVGUARD, "sim-engine", "--port", "0"], tmp / "sim-engine.log")
-    proc.url = wait_for_log(proc, r"on (http://127\.0\.0\.1:\d+);").group(1)
     return proc
 
 
@@ -159,17 +156,21 @@ def spawn_kvguard(
     interval_s: float,
     proxy: bool,
     env: dict[str, str] | None = None,
+    fixed_rate: bool = False,
 ) -> KvguardRun:
     """Start ``kvguard run --config F`` watching ``engine_url`` (see :func:`wait_kvguard`).
 
     ``env``: on top of this environment (``KVGUARD_EVENT_LOOP``: the loop it runs on).
+    ``fixed_rate``: ``min_interval_s`` = ``interval_s``, so it polls at that rate even
+    where the engine's page says its pool is full (else it polls faster, as in life).
     """
     api = f"127.0.0.1:{free_port()}"
     lines = [
         f'[engine]\nurl = "{engine_url}"\n',
         f'[server]\nlisten = "{api}"\n',
         # min_interval_s (fast polling near exhaustion) may not exceed interval_s.
-        f"[poll]\ninterval_s = {interval_s}\nmin_interval_s = {min(interval_s, 0.1)}\n",
+        f"[poll]\ninterval_s = {interval_s}\n"
+        f"min_interval_s = {interval_s if fixed_rate else min(interval_s, 0.1)}\n",
         '[log]\nformat = "json"\n',
     ]
     proxy_address = None
@@ -188,6 +189,14 @@ def wait_kvguard(run: KvguardRun) -> KvguardRun:
     wait_for_log(run.proc, r'"event": ?"started"')
     wait_http(run.proc, f"{run.api}/healthz")
     return run
+
+
+def start_floor(tmp: Path, upstream_url: str) -> Proc:
+    """The bare aiohttp pass-through (bench/overhead_floor.py) in front of ``upstream_url``."""
+    argv = [PYTHON, "-m", "bench.overhead_floor", "--upstream", upstream_url, "--port", "0"]
+    proc = spawn("floor", argv, tmp / "floor.log")
+    proc.url = wait_for_log(proc, r"listening on (http://127\.0\.0\.1:\d+)").group(1)
+    return proc
 
 
 def start_kvguard(
@@ -218,7 +227,7 @@ def event_loop_of(run: KvguardRun) -> str | None:
     return None
 
 
-NGINX_CONF = """\
+NGINX_MAIN = """\
 worker_processes 1;
 pid {dir}/nginx.pid;
 {user}
@@ -233,21 +242,45 @@ http {{
     uwsgi_temp_path {dir}/uwsgi;
     scgi_temp_path {dir}/scgi;
 
-    upstream stub {{
-        server {upstream};
-        keepalive 64;
-    }}
-    server {{
-        listen {listen};
-        location / {{
-            proxy_pass http://stub;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-        }}
-    }}
+{site}
 }}
 """
+# A plain reverse proxy: the reference for what a proxy costs.
+NGINX_PLAIN_SITE = """\
+upstream stub {
+    server UPSTREAM;
+    keepalive 64;
+}
+server {
+    listen LISTEN;
+    location / {
+        proxy_pass http://stub;
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_buffering off;
+    }
+}
+"""
+INTEGRATIONS = ROOT / "docs" / "integrations.md"
+# What the documented site listens on and proxies to; replaced by the benchmark's.
+DOCS_ADDRESSES = {"listen 8080;": "listen LISTEN;", "127.0.0.1:8000": "UPSTREAM"}
+DOCS_KVGUARD = "127.0.0.1:9108"
+
+
+def admission_site() -> str:
+    """The nginx ``auth_request`` site docs/integrations.md shows (tests/test_nginx.py runs it).
+
+    Read from the docs, so the benchmark measures what users copy. The engine's
+    ``keepalive`` is raised to the plain site's 64: both nginx paths keep the same
+    connections to the stub, and differ only by the check.
+    """
+    text = INTEGRATIONS.read_text()
+    start = text.index("```nginx\n") + len("```nginx\n")
+    site = text[start : text.index("```", start)]
+    for shown, placeholder in DOCS_ADDRESSES.items():
+        site = site.replace(shown, placeholder)
+    site = site.replace("keepalive 16;", "keepalive 64;", 1)
+    return site.replace(DOCS_KVGUARD, "KVGUARD")
 
 
 def nginx_version() -> str | None:
@@ -261,24 +294,30 @@ def nginx_version() -> str | None:
     return match.group(0) if match else None
 
 
-def start_nginx(tmp: Path, upstream_url: str) -> Proc:
-    """Start nginx as a reverse proxy to ``upstream_url``: one worker, all paths in ``tmp``."""
+def start_nginx(
+    tmp: Path, upstream_url: str, *, kvguard_api: str | None = None, name: str = "nginx"
+) -> Proc:
+    """Start nginx as a reverse proxy to ``upstream_url``: one worker, all paths in ``tmp``.
+
+    With ``kvguard_api``, the documented ``auth_request`` site asking that kvguard's
+    ``/admission`` before each completion (:func:`admission_site`); else a plain proxy.
+    """
     if NGINX is None:
         raise BenchProcessError("nginx not installed (scripts/install-system.sh installs it)")
-    prefix = tmp / "nginx"
+    prefix = tmp / name
     prefix.mkdir(exist_ok=True)
     listen = f"127.0.0.1:{free_port()}"
     # As root, nginx would switch its worker to `nobody`, which cannot read a private
     # temporary directory; run it as ourselves (the directive is ignored when not root).
     user = "user root;" if os.geteuid() == 0 else ""
-    (prefix / "nginx.conf").write_text(
-        NGINX_CONF.format(
-            dir=prefix, user=user, upstream=upstream_url.removeprefix("http://"), listen=listen
-        )
-    )
+    site = NGINX_PLAIN_SITE if kvguard_api is None else admission_site()
+    site = site.replace("UPSTREAM", upstream_url.removeprefix("http://")).replace("LISTEN", listen)
+    if kvguard_api is not None:
+        site = site.replace("KVGUARD", kvguard_api.removeprefix("http://"))
+    (prefix / "nginx.conf").write_text(NGINX_MAIN.format(dir=prefix, user=user, site=site))
     argv = [NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf")]
     argv += ["-e", str(prefix / "error.log"), "-g", "daemon off;"]
-    proc = spawn("nginx", argv, tmp / "nginx.log")
+    proc = spawn(name, argv, tmp / f"{name}.log")
     proc.stop_signal = signal.SIGQUIT  # graceful: let the worker finish
     proc.url = f"http://{listen}"
     wait_http(proc, f"{proc.url}/health")

@@ -6,12 +6,23 @@ bench/overhead_client.py):
 
 * ``direct``: the client talks to the stub;
 * ``kvguard``: through a real ``kvguard run`` with ``[proxy] enabled`` (defaults
-  otherwise: the daemon also polls the stub's idle vLLM metrics at 2 Hz; a new
+  otherwise: the daemon also polls the stub's idle vLLM metrics at 2 Hz — a real
+  capture whose pool is scaled to a GPU's, 262,144 tokens, so that 32 small requests
+  in flight are what they are on a GPU, a sliver of the pool
+  (:func:`bench.overhead_scrape.gpu_pool_page`); a new
   prompt is counted from the answer's ``usage`` for whole answers and by the stub's
   ``/tokenize`` for streams without ``include_usage``, as with vLLM);
 * ``nginx``: through nginx (the Debian package) as a plain reverse proxy — one worker
   process, upstream keep-alive, ``proxy_buffering off`` — a reference for what a
   reverse proxy costs on this machine;
+* ``nginx_admission``: the same nginx set up as docs/integrations.md shows (its
+  ``auth_request`` site), asking the ``kvguard`` process's ``/admission`` before each
+  completion: the data path that scales past one kvguard process (nginx carries the
+  bytes, kvguard answers a header-only check). Its CPU per request is kvguard's
+  (``cpu_ms_per_request``) and nginx's (``nginx_cpu_ms_per_request``);
+* ``aiohttp_floor`` (a diagnostic, no target): a bare aiohttp pass-through
+  (bench/overhead_floor.py), kvguard's HTTP stack with none of kvguard's work: what
+  part of kvguard's cost per request is the stack;
 * ``kvguard_cached_prompt`` (a diagnostic, no target): the same kvguard, sent one
   prompt over and over, so its token-count cache answers: for streams, the
   difference to ``kvguard`` is what the ``/tokenize`` round trip per new prompt costs.
@@ -28,6 +39,7 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +51,26 @@ from bench.overhead_procs import (
     Meter,
     Proc,
     event_loop_of,
+    start_floor,
     start_kvguard,
     start_nginx,
     start_stub,
     wait_http,
 )
+from bench.overhead_scrape import gpu_pool_page
 
 RATE = 200.0
 CONCURRENCY = 32
 KINDS = ("json", "stream")
-TARGETS = ("direct", "kvguard", "nginx", "kvguard_cached_prompt", "kvguard_asyncio")
+TARGETS = (
+    "direct",
+    "kvguard",
+    "nginx",
+    "nginx_admission",
+    "kvguard_cached_prompt",
+    "kvguard_asyncio",
+    "aiohttp_floor",
+)
 
 
 def _percentile(values: list[float], share: float) -> float | None:
@@ -116,13 +138,94 @@ def summarize(rounds: list[dict[str, Any]], targets: list[str]) -> dict[str, Any
             a, b = mine["throughput_rps"], direct["throughput_rps"]
             mine["throughput_vs_direct"] = _round(a / b) if a and b else None
         if "nginx" in per:
-            for target in ("kvguard", "kvguard_cached_prompt", "kvguard_asyncio"):
-                if target not in per:
+            for target, mine in per.items():
+                if target in ("direct", "nginx"):
                     continue
-                a, b = per[target]["throughput_rps"], per["nginx"]["throughput_rps"]
-                per[target]["throughput_vs_nginx"] = _round(a / b) if a and b else None
+                a, b = mine["throughput_rps"], per["nginx"]["throughput_rps"]
+                mine["throughput_vs_nginx"] = _round(a / b) if a and b else None
         out[kind] = per
     return out
+
+
+@dataclass
+class Paths:
+    """The ways to reach the stub, and what measures each one's cost.
+
+    ``meters``: the process whose CPU per request a path reports (kvguard's, or
+    nginx's for the plain proxy); ``side_meters``: a second process a path runs
+    through (nginx, where it asks kvguard's /admission).
+    """
+
+    procs: list[Proc] = field(default_factory=list)
+    urls: dict[str, str] = field(default_factory=dict)
+    meters: dict[str, Meter] = field(default_factory=dict)
+    side_meters: dict[str, Meter] = field(default_factory=dict)
+    loops: dict[str, str | None] = field(default_factory=dict)
+    nginx_skipped: str | None = None
+
+
+def _start_paths(
+    tmp: Path, paths: Paths, *, cached_prompt: bool, compare_loops: bool, floor: bool
+) -> Proc:
+    """Start the stub and every path to it (into ``paths``); returns the stub."""
+    stub = start_stub(tmp, metrics=[gpu_pool_page(tmp)])
+    paths.procs.append(stub)
+    kvguard = _start_proxy(tmp, "kvguard-proxy", stub.url, paths.procs)
+    assert kvguard.proxy is not None  # noqa: S101 - started with proxy=True
+    paths.urls.update({"direct": stub.url, "kvguard": kvguard.proxy})
+    paths.meters["kvguard"] = Meter(kvguard.proc)
+    paths.loops["kvguard"] = event_loop_of(kvguard)
+    if compare_loops and paths.loops["kvguard"] == "uvloop":
+        # The same kvguard on asyncio's own loop: what uvloop (the `fast` extra) buys.
+        plain = _start_proxy(tmp, "kvguard-proxy-asyncio", stub.url, paths.procs, "asyncio")
+        paths.urls["kvguard_asyncio"] = plain.proxy or ""
+        paths.meters["kvguard_asyncio"] = Meter(plain.proc)
+        paths.loops["kvguard_asyncio"] = event_loop_of(plain)
+    try:
+        nginx = start_nginx(tmp, stub.url)
+        paths.procs.append(nginx)
+        paths.urls["nginx"] = nginx.url
+        paths.meters["nginx"] = Meter(nginx)
+        # The data path kvguard scales with: nginx carries the requests and asks the
+        # same kvguard's /admission before each completion (docs/integrations.md).
+        gate = start_nginx(tmp, stub.url, kvguard_api=kvguard.api, name="nginx-admission")
+        paths.procs.append(gate)
+        paths.urls["nginx_admission"] = gate.url
+        paths.meters["nginx_admission"] = Meter(kvguard.proc)
+        paths.side_meters["nginx_admission"] = Meter(gate)
+    except BenchProcessError as exc:
+        paths.nginx_skipped = str(exc)
+    if cached_prompt:
+        paths.urls["kvguard_cached_prompt"] = kvguard.proxy
+        paths.meters["kvguard_cached_prompt"] = Meter(kvguard.proc)
+    if floor:
+        bare = start_floor(tmp, stub.url)
+        paths.procs.append(bare)
+        paths.urls["aiohttp_floor"] = bare.url
+        paths.meters["aiohttp_floor"] = Meter(bare)
+    return stub
+
+
+def _one_target(
+    paths: Paths, target: str, stub_meter: Meter, cpu: dict[str, dict[str, float]], **client: float
+) -> dict[str, Any]:
+    """One target's client run, its stub CPU and (added to ``cpu``) the CPU of its meters."""
+    meter, side = paths.meters.get(target), paths.side_meters.get(target)
+    for started in (meter, side, stub_meter):
+        if started is not None:
+            started.start()
+    done = _client(paths.urls[target], repeat=target == "kvguard_cached_prompt", **client)
+    done["stub_cpu_s"] = stub_meter.stop()["cpu_s"]
+    if meter is not None:
+        figures = meter.stop()
+        cpu[target]["cpu_s"] += figures["cpu_s"]
+        cpu[target]["rss_mib"] = figures["rss_mib"]
+        cpu[target]["requests"] += sum(
+            done[k][loop].get("ok", 0) for k in KINDS for loop in ("open", "closed")
+        )
+    if side is not None:
+        cpu[target]["nginx_cpu_s"] = cpu[target].get("nginx_cpu_s", 0.0) + side.stop()["cpu_s"]
+    return done
 
 
 def measure_proxy(
@@ -134,75 +237,45 @@ def measure_proxy(
     warmup_s: float,
     cached_prompt: bool = True,
     compare_loops: bool = True,
+    floor: bool = True,
 ) -> dict[str, Any]:
     """Every target, ``rounds`` times, with the CPU each proxy used per request.
 
     ``cached_prompt``: also the ``kvguard_cached_prompt`` diagnostic. ``compare_loops``:
-    when kvguard runs on uvloop, also the same kvguard on asyncio's loop.
+    when kvguard runs on uvloop, also the same kvguard on asyncio's loop. ``floor``:
+    also the bare aiohttp pass-through (``aiohttp_floor``).
     """
-    procs: list[Proc] = []
-    nginx_skipped = None
+    paths = Paths()
     try:
-        stub = start_stub(tmp)
-        procs.append(stub)
-        kvguard = _start_proxy(tmp, "kvguard-proxy", stub.url, procs)
-        assert kvguard.proxy is not None  # noqa: S101 - started with proxy=True
-        urls = {"direct": stub.url, "kvguard": kvguard.proxy}
-        meters = {"kvguard": Meter(kvguard.proc)}
-        loops = {"kvguard": event_loop_of(kvguard)}
-        if compare_loops and loops["kvguard"] == "uvloop":
-            # The same kvguard on asyncio's own loop: what uvloop (the `fast` extra) buys.
-            plain = _start_proxy(tmp, "kvguard-proxy-asyncio", stub.url, procs, "asyncio")
-            urls["kvguard_asyncio"] = plain.proxy or ""
-            meters["kvguard_asyncio"] = Meter(plain.proc)
-            loops["kvguard_asyncio"] = event_loop_of(plain)
-        try:
-            nginx = start_nginx(tmp, stub.url)
-            procs.append(nginx)
-            urls["nginx"] = nginx.url
-            meters["nginx"] = Meter(nginx)
-        except BenchProcessError as exc:
-            nginx_skipped = str(exc)
-        if cached_prompt:
-            urls["kvguard_cached_prompt"] = kvguard.proxy
-            meters["kvguard_cached_prompt"] = Meter(kvguard.proc)
-        targets = list(urls)
+        stub = _start_paths(
+            tmp, paths, cached_prompt=cached_prompt, compare_loops=compare_loops, floor=floor
+        )
+        targets = list(paths.urls)
         stub_meter = Meter(stub)
         results: list[dict[str, Any]] = []
-        cpu: dict[str, dict[str, float]] = {t: {"cpu_s": 0.0, "requests": 0} for t in meters}
+        cpu: dict[str, dict[str, float]] = {t: {"cpu_s": 0.0, "requests": 0} for t in paths.meters}
         for index in range(rounds):
             order = targets[index % len(targets) :] + targets[: index % len(targets)]
             one: dict[str, Any] = {"order": order}
             for target in order:
-                meter = meters.get(target)
-                if meter is not None:
-                    meter.start()
-                stub_meter.start()
-                one[target] = _client(
-                    urls[target],
+                one[target] = _one_target(
+                    paths,
+                    target,
+                    stub_meter,
+                    cpu,
                     open_s=open_s,
                     closed_s=closed_s,
                     warmup_s=warmup_s,
-                    repeat=target == "kvguard_cached_prompt",
                 )
-                stub_figures = stub_meter.stop()
-                one[target]["stub_cpu_s"] = stub_figures["cpu_s"]
-                if meter is not None:
-                    figures = meter.stop()
-                    cpu[target]["cpu_s"] += figures["cpu_s"]
-                    cpu[target]["rss_mib"] = figures["rss_mib"]
-                    cpu[target]["requests"] += sum(
-                        one[target][k][loop].get("ok", 0)
-                        for k in KINDS
-                        for loop in ("open", "closed")
-                    )
             results.append(one)
         for figures in cpu.values():
             # Warm-up requests are not counted, so this slightly overstates the cost.
             requests = figures["requests"]
-            figures["cpu_ms_per_request"] = (
-                round(figures["cpu_s"] * 1000 / requests, 4) if requests else None
-            )
+            for key in ("cpu", "nginx_cpu"):
+                if f"{key}_s" in figures:
+                    figures[f"{key}_ms_per_request"] = (
+                        round(figures[f"{key}_s"] * 1000 / requests, 4) if requests else None
+                    )
         return {
             "rate_per_s": RATE,
             "concurrency": CONCURRENCY,
@@ -211,8 +284,8 @@ def measure_proxy(
             "closed_s": closed_s,
             "warmup_s": warmup_s,
             "targets": targets,
-            "event_loops": loops,
-            "nginx_skipped": nginx_skipped,
+            "event_loops": paths.loops,
+            "nginx_skipped": paths.nginx_skipped,
             "nginx_workers": 1,
             "tokenize_per_request": "streams without include_usage",
             "summary": summarize(results, targets),
@@ -220,7 +293,7 @@ def measure_proxy(
             "per_round": [_slim(r) for r in results],
         }
     finally:
-        for proc in reversed(procs):
+        for proc in reversed(paths.procs):
             proc.stop()
 
 

@@ -186,6 +186,13 @@ def _trial_result(variant: str, seed: int, marks: dict[str, Any]) -> dict[str, A
         # waits confirm_ticks before it says high, unless demand is past the pool).
         "from_crossing_tick_ms": _ms(shed, marks.get("crossing_tick_at")),
         "tick_to_callback_ms": _ms(marks.get("after_tick_at"), high),
+        # The reaction in its parts, end to end (PARTS).
+        "parts_ms": {
+            "engine_at_high_usage_to_tick_past_high": _ms(marks.get("crossing_tick_at"), usage),
+            "confirm_ticks": _ms(high, marks.get("crossing_tick_at")),
+            "tick_to_decision_in_force": _ms(marks.get("after_tick_at"), high),
+            "in_force_to_client_503": _ms(shed, marks.get("after_tick_at")),
+        },
         "burst_to_high_tick_ms": _ms(high, burst),
         "usage_high_to_high_tick_ms": _ms(high, usage),
         "usage_high_to_first_503_ms": _ms(shed, usage),
@@ -194,6 +201,29 @@ def _trial_result(variant: str, seed: int, marks: dict[str, Any]) -> dict[str, A
         "other_503_before_shed": "first_other_503_at" in marks
         and (shed is None or marks["first_other_503_at"] < shed),
     }
+
+
+# The reaction's parts, in order: the engine's KV usage reaches the high threshold ->
+# the first tick past a high threshold (KV usage counts there only while the KV cache
+# binds: while nothing waits in the engine, admission holds the door and the usage is
+# a pool in use, kvguard.core.policy.crossed) -> the level waits confirm_ticks -> that
+# tick's decision is made and its plan is in force in the proxy (one synchronous step,
+# no await between them) -> the proxy answers a client 503.
+PARTS = (
+    "engine_at_high_usage_to_tick_past_high",
+    "confirm_ticks",
+    "tick_to_decision_in_force",
+    "in_force_to_client_503",
+)
+
+
+def _parts_median(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Each part's median over ``runs`` (None where no run measured it)."""
+    out: dict[str, float | None] = {}
+    for part in PARTS:
+        values = [r["parts_ms"][part] for r in runs if r["parts_ms"][part] is not None]
+        out[part] = round(statistics.median(values), 2) if values else None
+    return out
 
 
 async def measure_reaction_async(trials: int, default_trials: int) -> dict[str, Any]:
@@ -226,6 +256,7 @@ async def measure_reaction_async(trials: int, default_trials: int) -> dict[str, 
             "reaction_ms_median": round(statistics.median(done), 2) if done else None,
             "reaction_ms_max": max(done) if done else None,
             "reaction_ms_min": min(done) if done else None,
+            "parts_median_ms": _parts_median([r for r in runs if r["variant"] == variant]),
         }
     return out
 

@@ -8,8 +8,10 @@ PATH_NAMES = {
     "direct": "direct to the stub",
     "kvguard": "through kvguard",
     "nginx": "through nginx",
+    "nginx_admission": "through nginx asking kvguard's /admission",
     "kvguard_cached_prompt": "through kvguard, prompt cached (diagnostic)",
     "kvguard_asyncio": "through kvguard on asyncio's loop",
+    "aiohttp_floor": "through a bare aiohttp pass-through (diagnostic)",
 }
 
 
@@ -83,7 +85,9 @@ def _daemon(result: dict[str, Any]) -> list[str]:
         "### Daemon cost",
         "",
         f"Four `kvguard run` processes side by side for {daemon['seconds']:g} s"
-        f" (after {daemon['warmup_s']:g} s of warm-up), watching one idle `kvguard sim-engine`;"
+        f" (after {daemon['warmup_s']:g} s of warm-up), watching one stub engine whose"
+        " `/metrics` is a 154 KB vLLM page (4 data-parallel engines) with new figures at every"
+        " scrape; 2 Hz is the default poll, 10 Hz the fastest (`min_interval_s`) under pressure;"
         " CPU = user + system seconds per wall second (psutil). No GPU: the NVML probe is"
         " unavailable. Ticks start one poll interval apart (the wait is the interval less"
         " the tick's own duration), so the rate reaches the nominal one unless a tick takes"
@@ -126,7 +130,13 @@ def _proxy(result: dict[str, Any]) -> list[str]:
             )
     cpu = proxy.get("proxy_cpu", {})
     per_request = ", ".join(
-        f"{PATH_NAMES.get(t, t)} {_num(c.get('cpu_ms_per_request'), 3)} ms" for t, c in cpu.items()
+        f"{PATH_NAMES.get(t, t)} {_num(c.get('cpu_ms_per_request'), 3)} ms"
+        + (
+            f" (kvguard's; nginx's {_num(c['nginx_cpu_ms_per_request'], 3)} ms)"
+            if c.get("nginx_cpu_ms_per_request") is not None
+            else ""
+        )
+        for t, c in cpu.items()
     )
     skipped = (
         [f"nginx was skipped: {proxy['nginx_skipped']}.", ""] if proxy.get("nginx_skipped") else []
@@ -153,7 +163,11 @@ def _proxy(result: dict[str, Any]) -> list[str]:
         f" {proxy['nginx_workers']} worker process (kvguard is one process too), upstream"
         " keep-alive, `proxy_buffering off`. kvguard counts a new prompt from the"
         " answer's `usage` (whole answers) or the upstream's `/tokenize` (streams"
-        " without `include_usage`), as with vLLM.",
+        " without `include_usage`), as with vLLM. \"Through nginx asking kvguard's"
+        ' /admission" is the `auth_request` site docs/integrations.md shows (engine'
+        " keep-alive raised to the plain nginx's): nginx carries every request and asks the"
+        " same kvguard process before each completion — the data path that scales past one"
+        ' kvguard process (docs/proxy.md, "Scaling the data path").',
         "",
         *skipped,
         *_table(
@@ -179,24 +193,42 @@ def _scrape(result: dict[str, Any]) -> list[str]:
     scrape = result.get("scrape", {})
     if "tick" not in scrape:
         return []
-    tick, parse = scrape["tick"], scrape["parse_only"]
+
+    def row(label: str, figures: dict[str, float] | None) -> list[str]:
+        if not figures:
+            return [label, "", "", "", ""]
+        return [
+            label,
+            _num(figures["mean_ms"]),
+            _num(figures["p50_ms"]),
+            _num(figures["p99_ms"]),
+            _num(figures["max_ms"]),
+        ]
+
+    turn = (
+        " The stub answers the page and its twin (busy and idle engines swapped) in turn, so"
+        " every family kvguard reads changes at every scrape."
+        if scrape.get("pages", 1) > 1
+        else ""
+    )
     return [
         "### Scrape cost",
         "",
         f"kvguard's `EngineProbe` reading `{scrape['fixture']}`"
         f" ({scrape['bytes']:,} bytes, {scrape['series']:,} series, vLLM data-parallel over"
-        f" {scrape['engines']} engines) from a stub in another process, {scrape['ticks']} ticks.",
+        f" {scrape['engines']} engines) from a stub in another process, {scrape['ticks']} ticks"
+        f" on {scrape.get('event_loop', 'asyncio')}'s loop.{turn} A tick fetches the metrics and"
+        " the health endpoint; its CPU is kvguard's own (the stub's work is not in it). The"
+        " parse alone is timed on the same pages with the probe's cache of unchanged"
+        " families and without it (cold).",
         "",
         *_table(
-            ["per tick", "p50 ms", "p99 ms", "max ms"],
+            ["per tick", "mean ms", "p50 ms", "p99 ms", "max ms"],
             [
-                ["fetch + parse", _num(tick["p50_ms"]), _num(tick["p99_ms"]), _num(tick["max_ms"])],
-                [
-                    "parse only",
-                    _num(parse["p50_ms"]),
-                    _num(parse["p99_ms"]),
-                    _num(parse["max_ms"]),
-                ],
+                row("fetch + parse, wall", scrape["tick"]),
+                row("fetch + parse, kvguard CPU", scrape.get("tick_cpu")),
+                row("parse only", scrape["parse_only"]),
+                row("parse only, cold", scrape.get("parse_cold")),
             ],
         ),
     ]
@@ -256,6 +288,36 @@ def _reaction(result: dict[str, Any]) -> list[str]:
             ],
             rows,
         ),
+        *_reaction_parts(reaction),
+    ]
+
+
+PART_NAMES = {
+    "engine_at_high_usage_to_tick_past_high": "engine's usage at 90% -> first tick past a"
+    " `high` threshold (usage counts there only while the KV cache binds)",
+    "confirm_ticks": "that tick -> the tick that says `high` (`confirm_ticks`)",
+    "tick_to_decision_in_force": "that tick's reading -> decision made, plan in force in the proxy",
+    "in_force_to_client_503": "plan in force -> a client gets the 503",
+}
+
+
+def _reaction_parts(reaction: dict[str, Any]) -> list[str]:
+    """The reaction split into its parts (medians), one column per proxy setting."""
+    variants = [v for v in ("immediate", "default") if reaction.get(v, {}).get("parts_median_ms")]
+    if not variants:
+        return []
+    rows = [
+        [PART_NAMES[part], *(_num(reaction[v]["parts_median_ms"].get(part), 1) for v in variants)]
+        for part in PART_NAMES
+    ]
+    return [
+        "",
+        "The same reaction in its parts (median ms over the trials). A part may be negative"
+        " where the decision says `high` on the demand it projects before the engine's own"
+        " usage gets there. The decision and putting its plan in force are one synchronous"
+        " step of the tick (no wait between them).",
+        "",
+        *_table(["part", *(f"`{v}`" for v in variants)], rows),
     ]
 
 

@@ -11,7 +11,13 @@ series per engine per family in exactly this way under ``--data-parallel-size``.
 
 The measurement (:func:`measure_scrape`) runs kvguard's own
 :class:`~kvguard.probes.engine.EngineProbe` against a stub serving the fixture from
-another process, tick after tick, and separately times the pure parse.
+another process, tick after tick, and separately times the pure parse. The stub
+answers the fixture and its twin in turn (:func:`live_pages`: the same page with the
+busy and idle engines swapped), so every family kvguard reads changes from one scrape
+to the next, as on a busy engine, and the probe's cache of unchanged families
+(:class:`~kvguard.probes.engines.wanted.FamilyCache`) saves only what it saves in life:
+the families that do not change (``cache_config_info``). Each tick's cost is given
+as wall time and as kvguard's own CPU time (the stub's work is not in it).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 
 from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines import ADAPTERS, EngineScrape
+from kvguard.probes.engines.wanted import FamilyCache
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURES = ROOT / "tests" / "fixtures" / "engines"
@@ -50,8 +57,12 @@ def _families(text: str) -> list[tuple[str | None, list[str]]]:
     return blocks
 
 
-def build_fixture() -> str:
-    """The data-parallel exposition from the busy and idle vLLM captures."""
+def build_fixture(*, busy_even: bool = True) -> str:
+    """The data-parallel exposition from the busy and idle vLLM captures.
+
+    Engines 0 and 2 are the busy capture, 1 and 3 the idle one; ``busy_even=False``
+    swaps them: the same page, line for line, with every engine's figures changed.
+    """
     busy = _families((CAPTURES / "vllm-cpu-busy.txt").read_text())
     idle = dict(_families((CAPTURES / "vllm-cpu-idle.txt").read_text()))
     out: list[str] = []
@@ -62,7 +73,8 @@ def build_fixture() -> str:
             continue
         out += [line for line in lines if line.startswith("#")]
         for engine in range(ENGINES):
-            source = lines if engine % 2 == 0 else idle.get(name, lines)
+            busy_here = (engine % 2 == 0) == busy_even
+            source = lines if busy_here else idle.get(name, lines)
             out += [
                 line.replace(_ENGINE0, f'engine="{engine}"')
                 for line in source
@@ -70,6 +82,57 @@ def build_fixture() -> str:
             ]
         out += [line for line in samples if "engine=" not in line]
     return "\n".join(out) + "\n"
+
+
+def live_pages(tmp: Path) -> tuple[Path, Path]:
+    """The fixture and its twin (busy and idle engines swapped), the twin written in ``tmp``."""
+    twin = tmp / "vllm-cpu-dp4-swapped.txt"
+    twin.write_text(build_fixture(busy_even=False))
+    return FIXTURE, twin
+
+
+# The pool of the proxy benchmark's engine: the idle capture is a CPU vLLM with a
+# 2,048-token pool, which 32 tiny requests in flight fill past half (where admission
+# counts every prompt with /tokenize). A GPU's pool is hundreds of times larger: an
+# 8B model on one 80 GB GPU holds a few hundred thousand tokens (docs/budget.md).
+GPU_POOL_BLOCKS = 2048  # x the capture's 128-token blocks = 262,144 tokens
+_POOL_LABELS = re.compile(
+    r'(num_gpu_blocks|kv_cache_size_tokens|kv_cache_max_concurrency)="([0-9.]+)"'
+)
+
+
+def with_pool(text: str, blocks: int) -> str:
+    """``text`` (a vLLM page) with each engine's pool ``blocks`` blocks instead of its own.
+
+    The labels of ``cache_config_info`` that size the pool (``num_gpu_blocks``,
+    ``kv_cache_size_tokens``, ``kv_cache_max_concurrency``) are scaled alike; nothing
+    else changes.
+    """
+
+    def scaled(line: str) -> str:
+        found = re.search(r'num_gpu_blocks="([0-9]+)"', line)
+        if found is None:
+            return line
+        factor = blocks / int(found.group(1))
+
+        def one(match: re.Match[str]) -> str:
+            name, value = match.group(1), float(match.group(2))
+            new = value * factor
+            return f'{name}="{new:.1f}"' if "." in match.group(2) else f'{name}="{round(new)}"'
+
+        return _POOL_LABELS.sub(one, line)
+
+    return "\n".join(
+        scaled(line) if line.startswith("vllm:cache_config_info{") else line
+        for line in text.split("\n")
+    )
+
+
+def gpu_pool_page(tmp: Path) -> Path:
+    """The idle vLLM capture with a GPU-size pool (:data:`GPU_POOL_BLOCKS`), written in ``tmp``."""
+    page = tmp / "vllm-cpu-idle-gpu-pool.txt"
+    page.write_text(with_pool((CAPTURES / "vllm-cpu-idle.txt").read_text(), GPU_POOL_BLOCKS))
+    return page
 
 
 def _percentile(values: list[float], share: float) -> float:
@@ -87,38 +150,56 @@ def _stats_ms(seconds: list[float]) -> dict[str, float]:
     }
 
 
-async def measure_scrape(url: str, ticks: int) -> dict[str, Any]:
-    """``ticks`` probe samples of the engine at ``url`` (one HTTP fetch + parse each)."""
-    text = FIXTURE.read_text()
+async def measure_scrape(
+    url: str, ticks: int, pages: tuple[Path, ...] = (FIXTURE,)
+) -> dict[str, Any]:
+    """``ticks`` probe samples of the engine at ``url`` (one HTTP fetch + parse each).
+
+    ``pages`` are what the stub at ``url`` answers in turn; the pure parse is timed
+    on them in the same turn, with a cache as the probe's, and without one (cold).
+    """
+    texts = [page.read_text() for page in pages]
     probe = EngineProbe(url, kind="vllm", timeout_s=2.0)
     tick_s: list[float] = []
+    tick_cpu_s: list[float] = []
     try:
         stats = await probe.sample()  # connection opened, code paths warm: not counted
         for _ in range(ticks):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             stats = await probe.sample()
             tick_s.append(time.perf_counter() - started)
+            tick_cpu_s.append(time.process_time() - cpu)
             await asyncio.sleep(TICK_GAP_S)
     finally:
         await probe.close()
     adapter = ADAPTERS["vllm"]
-    parse_s: list[float] = []
-    for _ in range(min(ticks, PARSE_RUNS)):
+    runs = min(ticks, PARSE_RUNS)
+    cache = FamilyCache()
+    parse_s, cold_s = [], []
+    for index in range(runs):
+        text = texts[index % len(texts)]
+        started = time.perf_counter()
+        adapter.parse(EngineScrape(metrics_text=text, families=cache))
+        parse_s.append(time.perf_counter() - started)
         started = time.perf_counter()
         adapter.parse(EngineScrape(metrics_text=text))
-        parse_s.append(time.perf_counter() - started)
+        cold_s.append(time.perf_counter() - started)
+    text = texts[0]
     families = sum(1 for line in text.splitlines() if line.startswith("# TYPE "))
     series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
     return {
         "fixture": str(FIXTURE.relative_to(ROOT)),
+        "pages": len(texts),  # answered in turn: the figures read change every scrape
         "bytes": len(text.encode()),
         "families": families,
         "series": series,
         "engines": ENGINES,
         "ticks": ticks,
         "parse_runs": len(parse_s),
-        "tick": _stats_ms(tick_s),  # what one tick's engine probe costs: fetch + parse
-        "parse_only": _stats_ms(parse_s),
+        "tick": _stats_ms(tick_s),  # what one tick's engine probe takes: fetch + parse
+        "tick_cpu": _stats_ms(tick_cpu_s),  # kvguard's own CPU for it (not the stub's)
+        "parse_only": _stats_ms(parse_s),  # with the probe's cache of unchanged families
+        "parse_cold": _stats_ms(cold_s),  # without it: every family read is parsed
         "seen": {
             "kv_cache_usage_ratio": stats.kv_cache_usage_ratio,
             "requests_running": stats.requests_running,

@@ -8,9 +8,11 @@ is the bottleneck being measured:
 * ``POST /tokenize``: ``{"count": n, "tokens": [...]}`` as vLLM's, one token per word
   (kvguard's proxy asks it for every new prompt);
 * ``GET /v1/models``, ``GET /health``, and ``GET /metrics`` (the exposition file given
-  with ``--metrics``, so ``kvguard run`` watching the stub sees an idle vLLM).
+  with ``--metrics``, so ``kvguard run`` watching the stub sees an idle vLLM; with
+  several files, each scrape answers the next one, round robin: a page whose figures
+  change from one scrape to the next, as a busy engine's do).
 
-    .venv/bin/python -m bench.overhead_stub [--port 0] [--metrics FILE]
+    .venv/bin/python -m bench.overhead_stub [--port 0] [--metrics FILE [FILE ...]]
 
 It listens on 127.0.0.1 only and prints ``overhead-stub: listening on URL`` once ready.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import signal
 import sys
@@ -104,11 +107,12 @@ async def health(_: web.Request) -> web.Response:
     return web.Response()
 
 
-def build_app(metrics_text: str) -> web.Application:
-    """The stub's application; ``/metrics`` answers ``metrics_text``."""
+def build_app(*pages: str) -> web.Application:
+    """The stub's application; ``/metrics`` answers ``pages`` in turn, round robin."""
+    turn = itertools.cycle(pages)
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text=metrics_text, content_type="text/plain", charset="utf-8")
+        return web.Response(text=next(turn), content_type="text/plain", charset="utf-8")
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
@@ -119,9 +123,9 @@ def build_app(metrics_text: str) -> web.Application:
     return app
 
 
-async def serve(port: int, metrics_text: str) -> None:
+async def serve(port: int, pages: list[str]) -> None:
     """Serve on 127.0.0.1 until SIGTERM or SIGINT."""
-    runner = web.AppRunner(build_app(metrics_text), access_log=None)
+    runner = web.AppRunner(build_app(*pages), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     bound = runner.addresses[0][1]
@@ -138,10 +142,10 @@ def main() -> None:
     """Parse the arguments and serve."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--metrics", type=Path, default=IDLE_METRICS)
+    parser.add_argument("--metrics", type=Path, nargs="+", default=[IDLE_METRICS])
     args = parser.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.port, args.metrics.read_text()))
+        asyncio.run(serve(args.port, [path.read_text() for path in args.metrics]))
     sys.exit(0)
 
 

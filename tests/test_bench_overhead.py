@@ -14,7 +14,8 @@ import pytest
 
 from bench import overhead
 from bench.overhead_procs import NGINX
-from bench.overhead_scrape import FIXTURE, build_fixture
+from bench.overhead_scrape import FIXTURE, GPU_POOL_BLOCKS, ROOT, build_fixture, with_pool
+from kvguard.probes.engines import ADAPTERS, EngineScrape
 
 
 def _finite(value: object) -> bool:
@@ -46,7 +47,7 @@ def test_every_phase_ran_without_error(result):
 def test_daemon_figures_are_sane(result):
     """Four configurations; each daemon used some CPU, held some memory, and ticked."""
     configs = result["daemon"]["configs"]
-    assert set(configs) == {"2hz", "2hz_proxy", "20hz", "20hz_proxy"}
+    assert set(configs) == {"2hz", "2hz_proxy", "10hz", "10hz_proxy"}
     for figures in configs.values():
         assert 0 <= figures["cpu_s_per_wall_s"] < 2
         assert 10 < figures["rss_peak_mib"] < 1024
@@ -57,7 +58,8 @@ def test_daemon_figures_are_sane(result):
 def test_proxy_answered_every_request(result):
     """Every request through every path got a 200, and each path has its ratios."""
     proxy = result["proxy"]
-    expected = {"direct", "kvguard"} | ({"nginx"} if NGINX else set())
+    expected = {"direct", "kvguard", "aiohttp_floor"}
+    expected |= {"nginx", "nginx_admission"} if NGINX else set()
     assert set(proxy["targets"]) == expected
     assert (proxy["nginx_skipped"] is None) == (NGINX is not None)
     for kind in ("json", "stream"):
@@ -69,6 +71,11 @@ def test_proxy_answered_every_request(result):
         assert per["kvguard"]["throughput_vs_direct"] > 0
         if NGINX:
             assert per["kvguard"]["throughput_vs_nginx"] > 0
+            assert per["nginx_admission"]["throughput_vs_nginx"] > 0
+    if NGINX:
+        # Through nginx, kvguard answered each completion's /admission check.
+        assert proxy["proxy_cpu"]["nginx_admission"]["cpu_ms_per_request"] > 0
+        assert proxy["proxy_cpu"]["nginx_admission"]["nginx_cpu_ms_per_request"] > 0
     for one in proxy["per_round"]:
         for target in expected:
             for kind in ("json", "stream"):
@@ -80,7 +87,9 @@ def test_scrape_read_the_whole_exposition(result):
     """The probe parsed the 4-engine fixture: usage and queues summed over engines."""
     scrape = result["scrape"]
     assert scrape["bytes"] >= 100_000
-    assert scrape["tick"]["p50_ms"] > 0
+    assert scrape["pages"] == 2  # the page and its twin, in turn
+    for figures in ("tick", "tick_cpu", "parse_only", "parse_cold"):
+        assert scrape[figures]["p50_ms"] > 0, figures
     assert scrape["seen"]["requests_running"] == 10
     assert scrape["seen"]["requests_waiting"] == 14
 
@@ -94,6 +103,9 @@ def test_reaction_shed_in_every_trial(result):
         assert run["level"] in ("high", "critical")
         assert any(step.startswith("shed") for step in run["plan"])
         assert run["reaction_ms"] is not None
+        # The parts: the decision is in force before the client sees the 503.
+        assert run["parts_ms"]["tick_to_decision_in_force"] >= 0
+        assert run["parts_ms"]["in_force_to_client_503"] >= 0
 
 
 @pytest.mark.slow  # a long run: scripts/test.sh's second stage
@@ -115,3 +127,34 @@ def test_targets_and_markdown(result):
 def test_fixture_is_what_the_builder_makes():
     """The committed data-parallel exposition is exactly the builder's output."""
     assert FIXTURE.read_text() == build_fixture()
+
+
+def test_the_twin_page_changes_every_engine_and_nothing_else():
+    """The twin swaps busy and idle engines: the same lines in the same order, new figures."""
+    page, twin = build_fixture().split("\n"), build_fixture(busy_even=False).split("\n")
+    assert len(page) == len(twin)
+    changed = [(a, b) for a, b in zip(page, twin, strict=True) if a != b]
+    assert changed
+    for a, b in changed:  # only sample values of per-engine series differ
+        assert 'engine="' in a
+        assert a.rsplit(" ", 1)[0] == b.rsplit(" ", 1)[0]
+    reads = ADAPTERS["vllm"]
+    seen = [
+        reads.parse(EngineScrape(metrics_text=text)) for text in (build_fixture(), "\n".join(twin))
+    ]
+    assert seen[0].requests_running == seen[1].requests_running  # two busy engines either way
+    assert [e.requests_running for e in seen[0].engines] != [
+        e.requests_running for e in seen[1].engines
+    ]
+
+
+def test_a_gpu_size_pool_is_the_capture_with_its_pool_scaled():
+    """The proxy benchmark's engine page: the idle capture, only its pool's labels scaled."""
+    idle = (ROOT / "tests" / "fixtures" / "engines" / "vllm-cpu-idle.txt").read_text()
+    page = with_pool(idle, GPU_POOL_BLOCKS)
+    changed = [(a, b) for a, b in zip(idle.split("\n"), page.split("\n"), strict=True) if a != b]
+    assert len(changed) == 1
+    assert changed[0][0].startswith("vllm:cache_config_info{")
+    stats = ADAPTERS["vllm"].parse(EngineScrape(metrics_text=page))
+    assert stats.kv_capacity_blocks == GPU_POOL_BLOCKS
+    assert stats.kv_capacity_tokens == GPU_POOL_BLOCKS * 128
