@@ -66,6 +66,8 @@ def test_every_problem_is_reported_at_once():
     ("section", "values", "field"),
     [
         ("engine", {"url": "ftp://x"}, "engine.url"),
+        ("engine", {"url": "http://[127.0.0.1:8000"}, "engine.url"),  # an unclosed IPv6 "["
+        ("proxy", {"upstream": "http://[::1"}, "proxy.upstream"),
         ("engine", {"url": "http://127.0.0.1:8000", "pid": 1, "process_name": "x"}, "engine.pid"),
         ("gpu", {"indices": [0], "uuids": ["GPU-1"]}, "gpu.indices"),
         ("gpu", {"memory": "-3GiB"}, "gpu.memory"),

@@ -78,8 +78,8 @@ def _http_url(name: str, value: object, allowed: str, *, shown: object) -> Split
     """``value`` split as an http(s) URL with a host; errors show ``shown``, not the value."""
     if not isinstance(value, str):
         raise InvalidInputError(name, value, allowed)
-    parts = urlsplit(value.strip())
     try:
+        parts = urlsplit(value.strip())  # raises ValueError for an unclosed "[" (IPv6)
         parts.port  # noqa: B018 - raises ValueError for a bad port
     except ValueError as exc:
         raise InvalidInputError(name, shown, allowed) from exc
