@@ -4,7 +4,10 @@ In one process (:func:`kvguard.runtime.inprocess.start_guard` in front of
 :func:`kvguard.sim.runner.start_sim_server`, as ``kvguard run`` with ``[proxy]
 enabled``): a prober sends a tiny ``X-Priority: sheddable`` request through the proxy
 every ``PROBE_EVERY_S``; after ``CALM_S`` of calm (the daemon has ticked at ``ok``), a
-burst of long standard requests fills the engine's small KV pool. The daemon's
+burst of long requests fills the engine's small KV pool. The burst goes to the engine
+directly, as another client of the engine would: sent through the proxy, admission
+would hold what the pool cannot take at the door, and the level would never reach
+``high`` — the ladder's reaction, measured here, is for what admission cannot hold. The daemon's
 ``after_tick`` callback records the first tick whose decision is ``high`` or worse
 (its snapshot's time: when the probes had read the engine); the prober records when
 the first 503 of the ladder's shed came back (code ``kv_cache_pressure``; a 503 of
@@ -134,7 +137,10 @@ async def _drive(proxy_url: str, server: SimServer, marks: dict[str, Any]) -> No
 
         async def burst_one() -> None:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, TimeoutError):
-                async with http.post(f"{proxy_url}/v1/completions", json=BURST_BODY) as resp:
+                # Straight to the engine: through the proxy, admission would hold the
+                # burst at the door and the pool would never reach high (the ladder's
+                # reaction is what is measured here).
+                async with http.post(f"{server.url}/v1/completions", json=BURST_BODY) as resp:
                     await resp.read()
 
         burst_at = time.monotonic() + CALM_S

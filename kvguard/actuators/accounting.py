@@ -205,6 +205,9 @@ class InflightRequest:
     kind: tuple[str, str, str] | None = None
     completed: bool = False  # the engine's whole answer arrived with a 200
     clamped: bool = False  # kvguard lowered its max_tokens (a window cap): not its length
+    # Per sequence: the answer length its client allowed (max_tokens; None: the engine's
+    # default). An answer that reached it says only that it would have run at least that.
+    answer_limit: int | None = None
     reserved_from: str = ""  # how the reservation was sized, in words (for reasons)
     # The byte-based estimate of the prompt it was admitted with (None: counted), and
     # whether the engine's count replaced it since (usage, or /tokenize).

@@ -120,15 +120,29 @@ class ObservedLengths:
         """Kinds kept (bounded by ``max_kinds``)."""
         return len(self._kinds)
 
-    def observe(self, kind: Kind, output_per_sequence: int, request_tokens: int) -> None:
+    def observe(
+        self,
+        kind: Kind,
+        output_per_sequence: int,
+        request_tokens: int,
+        *,
+        at_limit: bool = False,
+    ) -> None:
         """Record one finished answer: its length per sequence, and its whole size.
 
         Recorded under the kind itself and every broader kind, so a new priority of
-        a known route starts from the route's lengths, not from nothing.
+        a known route starts from the route's lengths, not from nothing. ``at_limit``:
+        it stopped at the length its client allowed (``max_tokens``), so it is a lower
+        bound of its length, recorded as a cut answer is (:meth:`observe_cut`): the
+        answers of clients that ask for little say nothing of how long an answer asked
+        for more would run, and read as lengths they would reserve it too little.
         """
         output = max(0, int(output_per_sequence))
-        for key in _broader(kind):
-            self._recent(self._kinds, key).add(output)
+        if at_limit:
+            self.observe_cut(kind, output)
+        else:
+            for key in _broader(kind):
+                self._recent(self._kinds, key).add(output)
         self._sizes.add(max(0, int(request_tokens)))
 
     def observe_cut(self, kind: Kind, written_per_sequence: int) -> None:

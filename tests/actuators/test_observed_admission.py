@@ -93,6 +93,40 @@ async def test_an_over_asking_client_is_reserved_what_its_answers_use(sim_server
     assert proxy.counters.shed == {}
 
 
+async def test_answers_stopped_by_a_small_max_tokens_do_not_shrink_a_large_request(
+    sim_server, proxy_to
+):
+    """One-token probes on a route do not make its 600-token answers reserved at one token.
+
+    Each probe's answer ran to its max_tokens of 1: all it says is that it would have
+    run longer. Learned as a length, a burst on the same route was reserved one token
+    an answer and admitted twice over the pool (found by the overhead benchmark's
+    reaction trial: the engine's pool filled, with nothing waiting).
+    """
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
+    mitigations = Mitigations(pool_tokens=4000, block_size=16)
+    url, proxy = await proxy_to(
+        server.url, mitigations, reserve_min_samples=5, reserve_quantile=0.95, admission_wait_s=2
+    )
+    async with aiohttp.ClientSession() as http:
+        for _ in range(8):
+            probe = body(2, 1, 1)
+            async with http.post(f"{url}/v1/completions", json=probe) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["usage"]["completion_tokens"] == 1
+        large = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body(100, 600, 40)))
+        running = await _one_in_flight(proxy)
+        assert running.reserved_output == 600
+        assert running.reserved_from == "600 output tokens (max_tokens)"
+        (await large).close()
+        # Answers that ended on their own, under their max_tokens, are lengths again.
+        await _learn(http, url, 5)
+        later = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body(100, 600, 40)))
+        running = await _one_in_flight(proxy)
+        assert running.reserved_output == 40
+        (await later).close()
+
+
 async def test_many_sequences_reserve_each_and_a_request_that_cannot_fit_is_told_why(
     sim_server, proxy_to
 ):
@@ -397,10 +431,11 @@ async def test_answers_reserved_together_let_more_in_than_each_at_its_quantile(
     url, proxy = await proxy_to(server.url, mitigations, admission_wait_s=10)
     assert proxy.settings.reserve_quantile == 0.95  # the default
     async with aiohttp.ClientSession() as http:
-        # Ten answers of 40 and ten of 400 (asked at their length, so all fit at once).
+        # Ten answers of 40 and ten of 400, each asked one token more than it writes (so
+        # all fit at once; one that ran to its max_tokens would tell only a lower bound).
         learned = await asyncio.gather(
             *(
-                http.post(f"{url}/v1/completions", json=body(100, n, n))
+                http.post(f"{url}/v1/completions", json=body(100, n + 1, n))
                 for n in [40] * 10 + [400] * 10
             )
         )

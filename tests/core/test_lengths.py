@@ -200,6 +200,35 @@ def test_answers_cut_before_their_end_are_remembered_as_at_least_that_long():
     assert lengths.estimate(CHAT).tokens == 30  # type: ignore[union-attr]
 
 
+def test_an_answer_that_stopped_at_its_max_tokens_is_only_at_least_that_long():
+    """Answers that ran to their client's max_tokens are lower bounds, not lengths.
+
+    Learned as lengths, one-token probes (max_tokens 1) made a kind's p95 one token,
+    and a burst of the same route asking 600 tokens each was reserved one token each:
+    twice the pool admitted at once, on an engine that dies when it runs out.
+    """
+    lengths = ObservedLengths(LengthTerms(quantile=0.95, min_samples=20, window=100))
+    for _ in range(50):
+        lengths.observe(CHAT, 1, 11, at_limit=True)
+    # Nothing is known of where answers of the kind end: the caller reserves max_tokens.
+    assert lengths.estimate(CHAT) is None
+    assert lengths.table(CHAT) is None
+    # Their sizes still count as requests of the traffic (the window cap's floor).
+    assert lengths.typical_request_tokens() == 11
+    # Answers that ended on their own make the estimate, the stopped ones at risk in it:
+    # with 30 of 80 only known to be past 1 token, the p95 of the rest still holds.
+    for tokens in range(1, 31):
+        lengths.observe(CHAT, tokens, tokens + 10)
+    estimate = lengths.estimate(CHAT)
+    assert estimate is not None
+    assert estimate.tokens == 29
+    # Read as lengths (as before), the fifty one-token answers alone make the p95 one token.
+    plain = ObservedLengths(LengthTerms(quantile=0.95, min_samples=20, window=100))
+    for _ in range(50):
+        plain.observe(CHAT, 1, 11)
+    assert plain.estimate(CHAT).tokens == 1  # type: ignore[union-attr]
+
+
 def test_the_quantile_beyond_a_length_needs_enough_answers_past_it():
     """Fewer than 1 / (1 - q) answers longer than it: no quantile (the caller's ceiling)."""
     ended = [10] * 100 + list(range(500, 520))  # twenty past 400

@@ -221,6 +221,7 @@ class Admission:
         tracked.sequences = generation.sequences
         tracked.streamed = payload.get("stream") is True
         tracked.clamped = window.clamped
+        tracked.answer_limit = window.max_tokens
         if single and estimate is not None:
             tracked.prompt_estimate = estimate  # the engine's count, when it comes, teaches
         tracked.kind = _kind_of(payload, request.path, priority)

@@ -225,7 +225,8 @@ class Forwarder:
         Only answers that ended with a 200 and a count (the answer's ``usage``, or the
         stream's tokens), and whose length the client chose: one kvguard's window cap
         clamped says nothing about how long one is. A cut or failed answer that wrote
-        something says how long it was at least, which is remembered as such.
+        something says how long it was at least, which is remembered as such; so is
+        one that stopped at its client's ``max_tokens`` (it would have run on).
         """
         if tracked.kind is not None and tracked.prompt_exact and tracked.prompt_estimate:
             self._lengths.observe_prompt(
@@ -238,10 +239,12 @@ class Forwarder:
             and tracked.generated > 0
         ):
             per_sequence = tracked.output_per_sequence
+            limit = tracked.answer_limit
             self._lengths.observe(
                 tracked.kind,
                 per_sequence,
                 tracked.prompt_tokens // max(tracked.sequences, 1) + per_sequence,
+                at_limit=limit is not None and per_sequence >= limit,
             )
         elif not tracked.completed and not tracked.clamped and tracked.kind is not None:
             self._lengths.observe_cut(tracked.kind, tracked.output_per_sequence)
