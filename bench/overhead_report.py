@@ -269,7 +269,9 @@ def _reaction(result: dict[str, Any]) -> list[str]:
         f"In one process: kvguard (poll {reaction['poll_interval_s']:g} s, fast"
         f" poll {reaction['min_interval_s']:g} s near exhaustion) in front of a simulated engine"
         f" with a {reaction['pool_tokens']:,}-token pool; a `sheddable` probe every"
-        f" {reaction['probe_every_ms']:g} ms, then a burst of long requests. Reaction = first"
+        f" {reaction['probe_every_ms']:g} ms, then a burst of long requests sent to the engine"
+        " directly (through the proxy, admission would hold it at the door and the level would"
+        " not reach `high`: the ladder is for what admission cannot hold). Reaction = first"
         " 503 - the tick whose decision is `high` or worse (target: one poll interval + 50 ms ="
         f' {reaction["target_ms"]:g} ms). "From crossing" starts earlier, at the first tick'
         " whose snapshot was past a `high` threshold: the decision waits `confirm_ticks` before"
@@ -353,6 +355,15 @@ def _notes(result: dict[str, Any]) -> list[str]:
                 f" {_num(plain['throughput_rps'], 0)})."
             )
     cpu = result.get("proxy", {}).get("proxy_cpu", {})
+    mine, floor = cpu.get("kvguard", {}), cpu.get("aiohttp_floor", {})
+    if mine.get("cpu_ms_per_request") and floor.get("cpu_ms_per_request"):
+        own = mine["cpu_ms_per_request"] - floor["cpu_ms_per_request"]
+        notes.append(
+            f"Of kvguard's {_num(mine['cpu_ms_per_request'], 3)} ms of CPU per request, the"
+            f" HTTP stack it runs on (aiohttp server and client, the bare pass-through) takes"
+            f" {_num(floor['cpu_ms_per_request'], 3)} ms; kvguard's own work (screen, body"
+            f" parse, admission, accounting, header rules) the other {_num(own, 3)} ms."
+        )
     uv, plain_loop = cpu.get("kvguard", {}), cpu.get("kvguard_asyncio", {})
     if plain_loop and summary:
         rates = "; ".join(

@@ -1,7 +1,7 @@
 """Which event loop ``kvguard run`` runs on: uvloop when installed, else asyncio's own.
 
 The admission proxy is kvguard's hot path; uvloop (libuv, in C) runs the same aiohttp
-code on a faster loop. Measured, it buys little (about 3% of the proxy's CPU per
+code on a faster loop. Measured, it buys little (a few percent of the proxy's CPU per
 request: docs/benchmarks.md, "Proxy cost" and "Where the time goes"), so it is
 optional (``pip install 'kvguard[fast]'``): without it, or with
 ``KVGUARD_EVENT_LOOP=asyncio``, the standard loop runs, which is what every test of
