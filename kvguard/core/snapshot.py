@@ -99,6 +99,9 @@ class EngineStats:
     ``engines`` holds one :class:`EngineShare` per data-parallel engine, by index,
     when the engine reports two or more; it is empty for a single engine (and for
     engines without a data-parallel notion), where the figures above say it all.
+    ``context_tokens`` is the longest sequence (prompt + answer) the engine serves, as
+    it says itself (vLLM's and SGLang's ``max_model_len`` in ``/v1/models``); None
+    where it does not say.
     """
 
     kind: EngineKind
@@ -119,6 +122,7 @@ class EngineStats:
     request_generation_tokens: HistogramSummary | None = None
     engines: tuple[EngineShare, ...] = ()
     kv_used_is_reserved: bool = False
+    context_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import aiohttp
@@ -57,6 +58,13 @@ class _SharedScrape:
     task: asyncio.Future[EngineStats]
     waiters: int = 0
 
+
+# Engines whose /v1/models says the longest sequence they serve (``max_model_len``
+# on each model card: vLLM's and SGLang's OpenAI servers), and how often it is read
+# again (an engine restarted with another --max-model-len is seen within this).
+CONTEXT_KINDS: frozenset[EngineKind] = frozenset({"vllm", "sglang"})
+CONTEXT_REFRESH_S = 60.0
+MAX_CONTEXT_TOKENS = 1 << 24  # past 16M tokens a figure is garbage, not a context
 
 # Triton Inference Server's default ports (tritonserver --http-port, --metrics-port).
 TRITON_HTTP_PORT = 8000
@@ -146,6 +154,9 @@ class EngineProbe:
         self._health_path: str | None = None
         # The families read at the last scrape: those unchanged are not parsed again.
         self._families = FamilyCache()
+        # The engine's context length from its /v1/models, and when it was last read.
+        self._context: int | None = None
+        self._context_read_at: float | None = None
 
     @property
     def kind(self) -> EngineKind | None:
@@ -263,8 +274,43 @@ class EngineProbe:
             families=self._families,
         )
         stats = await self._off_loop(len(text), lambda: adapter.parse(scrape))
+        if self._kind in CONTEXT_KINDS and healthy:
+            await self._refresh_context(session)
+            stats = replace(stats, context_tokens=self._context)
         self._last = stats
         return stats
+
+    async def _refresh_context(self, session: aiohttp.ClientSession) -> None:
+        """Read the engine's ``max_model_len`` from ``/v1/models``, at most once a minute.
+
+        The smallest of its model cards' (one engine serves one context; adapters
+        share it). A failed or unreadable answer keeps what was known and is retried
+        at the next refresh; it never fails the tick.
+        """
+        now = time.monotonic()
+        if self._context_read_at is not None and now - self._context_read_at < CONTEXT_REFRESH_S:
+            return
+        self._context_read_at = now
+        try:
+            status, body = await self._get(session, "/v1/models", "application/json")
+        except _UnavailableError:
+            return
+        if status != 200:
+            return
+        try:
+            cards = json.loads(body).get("data")
+        except (ValueError, RecursionError, AttributeError):
+            return
+        lengths = [
+            card["max_model_len"]
+            for card in (cards if isinstance(cards, list) else [])
+            if isinstance(card, dict)
+            and isinstance(card.get("max_model_len"), int)
+            and not isinstance(card.get("max_model_len"), bool)
+            and 0 < card["max_model_len"] < MAX_CONTEXT_TOKENS
+        ]
+        if lengths:
+            self._context = min(lengths)
 
     async def close(self) -> None:
         """Close the HTTP session if this probe created it."""

@@ -313,7 +313,9 @@ class Brain:
         self.mitigations.pool_tokens = pool
         self._refresh_exhaustion(engine.kind, engine.preemptions_total is not None)
         self.mitigations.engine_used_tokens = engine.kv_used_tokens
-        self.mitigations.context_tokens = self.config.model.max_model_len
+        # The operator's [model] max_model_len, else what the engine says it serves:
+        # a request without max_tokens may write up to it (reserved so, not 512).
+        self.mitigations.context_tokens = self.config.model.max_model_len or engine.context_tokens
 
     def _refresh_exhaustion(self, kind: str | None, reports_preemptions: bool) -> None:
         """Tell the proxy whether the engine preempts or fails when its pool runs out.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -51,6 +52,7 @@ async def tiny_server() -> AsyncIterator[Callable[..., Awaitable[str]]]:
 
 
 RELEASE = web.AppKey("release", asyncio.Event)
+ROOT = Path(__file__).parent.parent / "fixtures"
 
 
 def text(body: str, status: int = 200) -> Handler:
@@ -431,3 +433,39 @@ async def test_garbage_value_is_a_probe_error_not_an_unexpected_one(tiny_server,
         assert not tracker.error.startswith("unexpected")
     finally:
         await daemon.close()
+
+
+async def test_the_engine_says_its_context_length_read_once_a_minute(tiny_server, probes):
+    """The max_model_len of vLLM's /v1/models is read at the first tick, not at every one.
+
+    Without [model] max_model_len, a request without max_tokens is reserved the room
+    this leaves its prompt (not a guess of 512); garbage and failures keep what was known.
+    """
+    metrics = (ROOT / "engines" / "vllm-cpu-idle.txt").read_text()
+    asked: list[int] = []
+    cards = [{"data": [{"id": "m", "object": "model", "max_model_len": 2048}]}]
+
+    async def models(_: web.Request) -> web.Response:
+        asked.append(1)
+        return web.json_response(cards[-1])
+
+    url = await tiny_server({"/metrics": text(metrics), "/health": text(""), "/v1/models": models})
+    probe = probes(url, kind="vllm")
+    assert (await probe.sample()).context_tokens == 2048
+    cards.append(
+        {"data": [{"id": "m", "max_model_len": "lots"}, {"id": "n", "max_model_len": True}]}
+    )
+    assert (await probe.sample()).context_tokens == 2048
+    assert len(asked) == 1  # once per CONTEXT_REFRESH_S, not per tick
+    probe._context_read_at = -1e9  # a minute later: read again, garbage keeps the last
+    assert (await probe.sample()).context_tokens == 2048
+    assert len(asked) == 2
+
+
+async def test_an_engine_without_a_context_in_its_models_leaves_it_unknown(tiny_server, probes):
+    """No /v1/models (404) or no max_model_len in it: unknown, and the tick still succeeds."""
+    metrics = (ROOT / "engines" / "vllm-cpu-idle.txt").read_text()
+    url = await tiny_server({"/metrics": text(metrics), "/health": text("")})
+    stats = await probes(url, kind="vllm").sample()
+    assert stats.up is True
+    assert stats.context_tokens is None

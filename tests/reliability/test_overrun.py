@@ -72,11 +72,12 @@ async def test_long_answers_past_their_reservation_are_cancelled_before_the_pool
         assert proxy is not None
         url = guard.proxy_url
         async with aiohttp.ClientSession() as http:
-            # Twenty short answers teach their kind's length (asked at that length,
-            # so they need not wait for one another while nothing is learned).
+            # Twenty short answers teach their kind's length (asked one token over it,
+            # so they need not wait for one another while nothing is learned; one that
+            # ran to its max_tokens would teach only a lower bound).
             for batch in range(2):
                 done = await asyncio.gather(
-                    *(_complete(http, url, batch * 10 + i, SHORT, SHORT) for i in range(10))
+                    *(_complete(http, url, batch * 10 + i, SHORT, SHORT + 1) for i in range(10))
                 )
                 assert [d["status"] for d in done] == [200] * 10, done
             longs = await asyncio.gather(*(_complete(http, url, 100 + i, LONG) for i in range(4)))
@@ -87,6 +88,55 @@ async def test_long_answers_past_their_reservation_are_cancelled_before_the_pool
         assert len(ended_whole) == 4 - cancelled, longs
         assert all(d["tokens"] == LONG for d in ended_whole), longs
         assert all("cancelled" in d["error"] for d in longs if d["error"] is not None), longs
+        assert not loop.done()
+    finally:
+        await guard.close()
+        await server.stop()
+
+
+async def test_answers_without_max_tokens_are_reserved_what_the_engines_context_allows():
+    """No max_tokens, no [model] max_model_len: the engine's own max_model_len is the ceiling.
+
+    Reserved at a guess of 512 tokens, two chat answers of 1,300 were admitted into a
+    2,032-token pool and the engine died (found by an adversarial client run). The
+    engine says its context in /v1/models: each is reserved the room it leaves the
+    prompt, so the second waits for the first instead of running beside it.
+    """
+    fast = TimeModel(step_fixed_s=0.002, per_token_s=0.0, jitter=0.0)  # 1,300 steps in 2.6 s
+    server = await start_sim_server(size_pool(POOL), time_model=fast, seed=3)
+    guard = await start_guard(server.url, poll=POLL, proxy={"admission_wait_s": 30})
+    loop = guard.run_in_background(None)
+    try:
+        proxy = guard.daemon.proxy
+        assert proxy is not None
+        assert guard.daemon.config.model.max_model_len is None  # nothing configured
+        for _ in range(100):
+            if proxy.mitigations.context_tokens is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert proxy.mitigations.context_tokens == POOL.max_model_len
+        body = {
+            "model": "sim",
+            "messages": [{"role": "user", "content": "word " * 100}],
+            SIM_OUTPUT_TOKENS_FIELD: 1300,
+        }
+        async with aiohttp.ClientSession() as http:
+
+            async def chat() -> int:
+                async with http.post(f"{guard.proxy_url}/v1/chat/completions", json=body) as r:
+                    await r.read()
+                    return r.status
+
+            first = asyncio.ensure_future(chat())
+            for _ in range(200):
+                if len(proxy.inflight):
+                    break
+                await asyncio.sleep(0.01)
+            running = next(iter(proxy.inflight))
+            assert running.reserved_from.endswith("(context)"), running.reserved_from
+            statuses = await asyncio.gather(first, chat())
+        assert not server.crashed.is_set(), server.crash_messages
+        assert statuses == [200, 200]
         assert not loop.done()
     finally:
         await guard.close()
