@@ -213,11 +213,13 @@ class Daemon(BudgetKeeping):
         if self.proxy is not None:
             # Re-reserve answers past their learned length (the long ones a pool runs
             # out on) and cancel if the pool would not last until kvguard can act
-            # again: two of its shortest intervals (it polls that fast once the
-            # headroom is short).
+            # again: two of the intervals it will wait now. Not two of its shortest:
+            # after a calm spell the next tick comes a whole interval later, and a
+            # burst of answers admitted at a short learned length fills a small pool
+            # in less than that (found by an adversarial client run).
             self.proxy.review_reservations(
                 snapshot.taken_at,
-                admission_rules.OVERRUN_READINGS_AHEAD * self.config.poll.min_interval_s,
+                admission_rules.OVERRUN_READINGS_AHEAD * self.next_interval(),
             )
         # The engine's fresh count of what it holds may leave room for requests waiting.
         self._recheck_held_requests()

@@ -324,6 +324,45 @@ def test_when_the_set_runs_past_its_quantile_the_largest_holding_the_pool_goes()
     assert proxy.counters.cancelled["overrun"] == 1
 
 
+def test_answers_that_do_not_stream_are_cancelled_when_the_engine_holds_more_than_reserved():
+    """Whole answers admitted at a short learned length grow unseen: the engine's count shows it.
+
+    Three answers that do not stream, reserved at 50 tokens each, while the engine's
+    count climbs to 3,700 of a 4,000-token pool: kvguard sees none of them write, but
+    the engine holds far more than everything reserved. What it holds beyond the
+    prompts is shared among them (about 1,200 each), so cancelling one is known to free
+    that much: one goes, not all three, and never while the count stays within the
+    reservations (prompts just admitted into room reserved for them).
+    """
+    mitigations = Mitigations(pool_tokens=4000, block_size=16)
+    proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:9"), mitigations)
+    answers = []
+    for name in ("first", "second", "third"):
+        tracked = InflightRequest(name, "standard", prompt_tokens=32, max_tokens=1900)
+        tracked.reserved_output, tracked.output_ceiling = 50, 1900
+        tracked.cancel = lambda: None
+        proxy.inflight.add(tracked)
+        answers.append(tracked)
+    assert proxy.inflight.projected_tokens(16) < 4000  # the reservations fit
+    clock = iter(range(100))
+
+    def tick(used: int) -> int:
+        mitigations.engine_used_tokens = used
+        return proxy.review_reservations(next(clock) * 0.5, 1.0)
+
+    assert tick(96) == 0  # the prompts
+    assert tick(240) == 0  # within what is reserved: prompts and the first tokens
+    # Past the reservations, 400 more each half second, but the pool lasts the next
+    # second (two readings): nothing goes.
+    for used in (600, 1000, 1400, 1800, 2200, 2600, 3000):
+        assert tick(used) == 0, used
+    assert not any(t.cancelled for t in answers)
+    assert tick(3300) == 0  # 3,300 + 2 x 300 = 3,900: it lasts
+    assert tick(3700) == 1  # 3,700 + 2 x 400 > 4,000: one goes, freeing about 1,200
+    assert sum(t.cancelled for t in answers) == 1
+    assert proxy.counters.cancelled["overrun"] == 1
+
+
 def test_an_engine_that_preempts_is_left_to_preempt():
     """The same overrun on an engine that preempts: nothing is cancelled.
 

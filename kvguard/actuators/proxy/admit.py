@@ -464,10 +464,15 @@ class Admission:
         if used + growth <= pool:
             return []
         block = self.mitigations.block_size
-        if self._inflight.projected_tokens(block) <= pool:
+        reserved = self._inflight.projected_tokens(block)
+        if reserved <= pool and used <= reserved:
             # What is in flight, each reserved at what it may still reach, fits: the
             # growth was prompts just admitted into reserved room, not answers outgrowing.
+            # Not so where the engine holds more than all of it: answers that do not
+            # stream ran past their reservations unseen (their progress shows only in
+            # the engine's count), or traffic that bypasses kvguard fills the pool.
             return []
+        held = self._holdings(requests, used)
         order = {id(r): i for i, r in enumerate(requests)}
         cancellable = [
             r
@@ -479,12 +484,28 @@ class Admission:
         )
         # Within their reservations but holding the pool: the set ran past its quantile.
         holding = sorted(
-            (r for r in cancellable if not r.outran and r.footprint_tokens > 0),
-            key=lambda r: (rank(r.priority), -r.footprint_tokens, -order[id(r)]),
+            (r for r in cancellable if not r.outran and held[id(r)] > 0),
+            key=lambda r: (rank(r.priority), -held[id(r)], -order[id(r)]),
         )
         candidates = outran + holding
-        footprints = [rules.whole_blocks(r.footprint_tokens, block) for r in candidates]
+        footprints = [rules.whole_blocks(held[id(r)], block) for r in candidates]
         return candidates[: rules.overrun_cancels(used, growth, pool, footprints, writing)]
+
+    def _holdings(self, requests: list[InflightRequest], used: int) -> dict[int, int]:
+        """What each request in flight holds in the engine now (by ``id``), as best known.
+
+        A streamed answer's is its prompt and what it wrote. One that does not stream
+        is seen only at its end: what the engine holds beyond everything kvguard sees
+        is shared equally among such answers (each has written one token a step since
+        it began, as the others have), so cancelling one is known to free its part.
+        """
+        held = {id(r): r.footprint_tokens for r in requests}
+        unseen = [r for r in requests if not r.streamed and r.generated == 0]
+        beyond = used - sum(held.values())
+        if unseen and beyond > 0:
+            for tracked in unseen:
+                held[id(tracked)] += beyond // len(unseen)
+        return held
 
     def _answer_growth(
         self, requests: list[InflightRequest], engine_growth: int | None
