@@ -127,6 +127,32 @@ async def test_answers_stopped_by_a_small_max_tokens_do_not_shrink_a_large_reque
         (await later).close()
 
 
+async def test_prompts_dense_in_tokens_are_counted_before_they_fill_the_pool(sim_server, proxy_to):
+    """Three 1,400-byte CSVs of digits (1,400 tokens, estimated at 467) into a 4,000-token pool.
+
+    Admitted at their estimates, all three went in together and the engine (one that
+    dies when its pool runs out) died in their prefill. A prompt that may hold more
+    than an eighth of the pool at one token a byte is counted first: two run, the
+    third waits for room, none is lost.
+    """
+    server = await sim_server(
+        kv_capacity_tokens=4096, max_model_len=2048, per_token_s=0.0005, oom_on_exhaust=True
+    )
+    mitigations = Mitigations(pool_tokens=4000, block_size=16)
+    url, proxy = await proxy_to(server.url, mitigations, admission_wait_s=10)
+
+    def dense(salt: int) -> dict:
+        digits = ",".join(str((i * 7 + salt) % 10) for i in range(700))[:1400]
+        return {"prompt": digits, "max_tokens": 50, SIM_OUTPUT_TOKENS_FIELD: 50}
+
+    async with aiohttp.ClientSession() as http:
+        work = asyncio.gather(*(_complete(http, url, dense(salt)) for salt in range(3)))
+        most = await _most_in_flight(proxy, work)
+    assert not server.crashed.is_set(), server.crash_messages
+    assert most == 2, most
+    assert proxy.counters.shed == {}
+
+
 async def test_many_sequences_reserve_each_and_a_request_that_cannot_fit_is_told_why(
     sim_server, proxy_to
 ):

@@ -18,14 +18,14 @@ import contextlib
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import NormalDist
 from typing import Any
 
 import structlog
 from aiohttp import web
 
-from kvguard.actuators.accounting import Inflight, InflightRequest
+from kvguard.actuators.accounting import ESTIMATE_BYTES_PER_TOKEN, Inflight, InflightRequest
 from kvguard.actuators.mitigations import Mitigations, rank, request_priority
 from kvguard.actuators.proxy import shapes
 from kvguard.actuators.proxy.answers import _error
@@ -42,6 +42,10 @@ from kvguard.core.lengths import LengthTable, ObservedLengths
 
 log = structlog.get_logger("kvguard.proxy")
 CRITICAL_RANK = rank("critical")
+# A prompt that may hold more than this share of the pool (at one token a byte) is
+# counted by the engine before it is admitted: a few such prompts, each admitted at
+# an estimate that can be 3x low, fill the pool in their prefill.
+COUNT_SHARE_OF_POOL = 0.125
 
 
 class Admission:
@@ -234,8 +238,15 @@ class Admission:
                 if asked is not None
                 else f"{rules.UNKNOWN_MAX_TOKENS} output tokens (default)"
             )
-        if not known.exact and not decides and single and not self.admits_now(tracked):
-            # Against a pool this full the estimate's margin may be what refuses it.
+        if (
+            not known.exact
+            and not decides
+            and single
+            and self._worth_counting(_at_most(tracked, measured[0], generation.samples))
+        ):
+            # The estimate may be what decides: it errs high on plain text but low on
+            # text dense in tokens (digits, code, other scripts), so a prompt is counted
+            # unless it fits even at one token a byte, and is small beside the pool.
             counted = await self._counter.exact(payload, known, chat=chat, subject=subject)
             tracked.prompt_tokens = counted * generation.samples
             tracked.prompt_estimate = None  # maybe the estimate again, if /tokenize failed
@@ -565,6 +576,18 @@ class Admission:
             critical=critical,
             with_it=projection.with_it(tracked, self._limit(critical=critical)),
         )
+
+    def _worth_counting(self, most: InflightRequest) -> bool:
+        """Whether a prompt at the most it can be (``most``) must be counted before it goes in.
+
+        When it would not fit now, or when it may hold more than
+        :data:`COUNT_SHARE_OF_POOL` of the pool: several such prompts admitted at their
+        estimates at once could fill it in their prefill, before any count comes back.
+        """
+        pool = self.mitigations.pool_tokens
+        if pool is not None and most.prompt_tokens > pool * COUNT_SHARE_OF_POOL:
+            return self.admission_enforced()
+        return not self.admits_now(most)
 
     def _limit(self, *, critical: bool) -> float | None:
         """What a request of the class may fill: ``ratio`` of the pool (None: unknown)."""
@@ -1049,6 +1072,21 @@ def _measure_all(payload: dict[str, Any], generation: shapes.Generation) -> list
         measure_prompt(payload, chat=generation.chat, subject=prompt)
         for prompt in generation.prompts
     ]
+
+
+def _at_most(tracked: InflightRequest, measured: PromptCount, samples: int) -> InflightRequest:
+    """``tracked`` with its prompt at the most it can be: one token a byte of its text.
+
+    The byte-based estimate (``ESTIMATE_BYTES_PER_TOKEN`` bytes a token, then scaled by
+    what the engine counted for recent prompts) errs high on plain English and low on
+    text dense in tokens: a CSV of digits is about one token a byte, three times the
+    estimate (found by an adversarial client run: three such prompts, admitted at
+    their estimates, filled a small pool in their prefill). No tokenizer of the
+    engines kvguard guards writes more tokens than bytes (byte-level BPE and byte
+    fallback cover one byte a token at least).
+    """
+    most = max(measured.count * ESTIMATE_BYTES_PER_TOKEN * max(samples, 1), tracked.prompt_tokens)
+    return replace(tracked, prompt_tokens=most)
 
 
 def _kind_of(payload: Mapping[str, Any], path: str, priority: str) -> tuple[str, str, str]:
