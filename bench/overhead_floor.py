@@ -17,33 +17,17 @@ It listens on 127.0.0.1 only and prints ``overhead-floor: listening on URL`` onc
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import signal
 import sys
 
 import aiohttp
 from aiohttp import web
 
+from bench.overhead_stub import serve_until_stopped
+from kvguard.actuators.proxy.forward import HOP_BY_HOP
 from kvguard.http_client import client_session
 from kvguard.runtime.event_loop import choose_loop
 from kvguard.runtime.event_loop import run as run_loop
-
-# RFC 9110 section 7.6.1, and the lengths aiohttp sets itself.
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
 
 
 def build_app(upstream: str) -> web.Application:
@@ -54,7 +38,7 @@ def build_app(upstream: str) -> web.Application:
         if not sessions:
             sessions.append(client_session(auto_decompress=False))
         body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         async with sessions[0].request(
             request.method,
             upstream + request.rel_url.raw_path_qs,
@@ -64,7 +48,7 @@ def build_app(upstream: str) -> web.Application:
         ) as answer:
             response = web.StreamResponse(status=answer.status, reason=answer.reason)
             for name, value in answer.headers.items():
-                if name.lower() not in _HOP_BY_HOP:
+                if name.lower() not in HOP_BY_HOP:
                     response.headers.add(name, value)
             if answer.content_length is not None:
                 response.content_length = answer.content_length
@@ -86,17 +70,7 @@ def build_app(upstream: str) -> web.Application:
 
 async def serve(port: int, upstream: str) -> None:
     """Serve on 127.0.0.1 until SIGTERM or SIGINT."""
-    runner = web.AppRunner(build_app(upstream.rstrip("/")), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    bound = runner.addresses[0][1]
-    print(f"overhead-floor: listening on http://127.0.0.1:{bound}", flush=True)  # noqa: T201
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
+    await serve_until_stopped(build_app(upstream.rstrip("/")), port, "overhead-floor")
 
 
 def main() -> None:

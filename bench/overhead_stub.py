@@ -125,11 +125,16 @@ def build_app(*pages: str) -> web.Application:
 
 async def serve(port: int, pages: list[str]) -> None:
     """Serve on 127.0.0.1 until SIGTERM or SIGINT."""
-    runner = web.AppRunner(build_app(*pages), access_log=None)
+    await serve_until_stopped(build_app(*pages), port, "overhead-stub")
+
+
+async def serve_until_stopped(app: web.Application, port: int, name: str) -> None:
+    """Serve ``app`` on 127.0.0.1 until SIGTERM or SIGINT; print ``NAME: listening on URL``."""
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     bound = runner.addresses[0][1]
-    print(f"overhead-stub: listening on http://127.0.0.1:{bound}", flush=True)  # noqa: T201
+    print(f"{name}: listening on http://127.0.0.1:{bound}", flush=True)  # noqa: T201
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
