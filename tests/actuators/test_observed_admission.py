@@ -389,6 +389,45 @@ def test_answers_that_do_not_stream_are_cancelled_when_the_engine_holds_more_tha
     assert proxy.counters.cancelled["overrun"] == 1
 
 
+def test_answers_unseen_beside_streams_reserved_at_their_ceiling_still_count():
+    """Whole answers beside streams reserved at their ceiling may be anywhere up to theirs.
+
+    Two streams re-reserved at 1,700 and three whole answers at a learned 50: together
+    3,700 of a 4,000-token pool, and the engine holds 3,600 — within what is reserved,
+    so it looked like prompts admitted into reserved room and nothing was cancelled;
+    the whole answers had grown unseen and the engine died (an adversarial client run,
+    3 of 3). What an unseen answer may reach is its ceiling: at this rate (five
+    answers, 100 steps a reading) the pool does not last two readings, and one goes.
+    """
+    mitigations = Mitigations(pool_tokens=4000, block_size=16)
+    proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:9"), mitigations)
+    streams = [_streaming(f"s{i}", "standard", prompt=30, written=1000) for i in range(2)]
+    for tracked in streams:
+        tracked.reserved_output, tracked.outran = 1700, True
+    whole = []
+    for i in range(3):
+        tracked = InflightRequest(f"w{i}", "standard", prompt_tokens=30, max_tokens=1900)
+        tracked.reserved_output, tracked.output_ceiling = 50, 1900
+        tracked.cancel = lambda: None
+        whole.append(tracked)
+    for tracked in (*streams, *whole):
+        proxy.inflight.add(tracked)
+    # The reservations (in whole blocks) fit the pool and cover the engine's 3,600.
+    assert 3600 <= proxy.inflight.projected_tokens(16) <= 4000
+    clock = iter(range(100))
+
+    def tick(used: int) -> int:
+        for tracked in streams:
+            if not tracked.cancelled:
+                tracked.generated += 100
+        mitigations.engine_used_tokens = used
+        return proxy.review_reservations(next(clock) * 0.5, 1.0)
+
+    assert tick(3100) == 0  # the first reading: no growth known yet
+    assert tick(3600) >= 1  # 3,600 + 2 x 500 > 4,000
+    assert proxy.counters.cancelled["overrun"] >= 1
+
+
 def test_an_engine_that_preempts_is_left_to_preempt():
     """The same overrun on an engine that preempts: nothing is cancelled.
 

@@ -475,7 +475,17 @@ class Admission:
         if used + growth <= pool:
             return []
         block = self.mitigations.block_size
-        reserved = self._inflight.projected_tokens(block)
+        # What each may still reach: its reservation, but an answer that does not stream
+        # is seen only at its end, so it may be anywhere up to its ceiling by now.
+        reserved = sum(
+            rules.whole_blocks(
+                r.prompt_tokens + r.output_ceiling
+                if not r.streamed and r.output_ceiling is not None
+                else r.projected_tokens,
+                block,
+            )
+            for r in requests
+        )
         if reserved <= pool and used <= reserved:
             # What is in flight, each reserved at what it may still reach, fits: the
             # growth was prompts just admitted into reserved room, not answers outgrowing.
