@@ -239,6 +239,21 @@ class InflightRequest:
         return self.prompt_tokens + max(reserved or 0, self.generated)
 
     @property
+    def progress_unseen(self) -> bool:
+        """Whether its answer is seen only at its end (it does not stream, and has not ended)."""
+        return not self.streamed and self.generated == 0
+
+    @property
+    def reachable_tokens(self) -> int:
+        """Tokens it may hold before kvguard can tell: its projection, or prompt + ceiling.
+
+        The ceiling where its progress is unseen: it may be anywhere up to it by now.
+        """
+        if self.progress_unseen and self.output_ceiling is not None:
+            return self.prompt_tokens + self.output_ceiling
+        return self.projected_tokens
+
+    @property
     def expected_tokens(self) -> int:
         """Tokens it is expected to hold at the end; its projection while that is unknown.
 

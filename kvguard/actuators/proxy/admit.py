@@ -475,17 +475,7 @@ class Admission:
         if used + growth <= pool:
             return []
         block = self.mitigations.block_size
-        # What each may still reach: its reservation, but an answer that does not stream
-        # is seen only at its end, so it may be anywhere up to its ceiling by now.
-        reserved = sum(
-            rules.whole_blocks(
-                r.prompt_tokens + r.output_ceiling
-                if not r.streamed and r.output_ceiling is not None
-                else r.projected_tokens,
-                block,
-            )
-            for r in requests
-        )
+        reserved = sum(rules.whole_blocks(r.reachable_tokens, block) for r in requests)
         if reserved <= pool and used <= reserved:
             # What is in flight, each reserved at what it may still reach, fits: the
             # growth was prompts just admitted into reserved room, not answers outgrowing.
@@ -521,7 +511,7 @@ class Admission:
         it began, as the others have), so cancelling one is known to free its part.
         """
         held = {id(r): r.footprint_tokens for r in requests}
-        unseen = [r for r in requests if not r.streamed and r.generated == 0]
+        unseen = [r for r in requests if r.progress_unseen]
         beyond = used - sum(held.values())
         if unseen and beyond > 0:
             for tracked in unseen:
