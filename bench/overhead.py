@@ -68,14 +68,15 @@ class Plan:
     closed_s: float
     client_warmup_s: float
     cached_prompt: bool  # also the kvguard_cached_prompt diagnostic
+    many_in_flight: bool  # also the kvguard_many_in_flight diagnostic
     scrape_ticks: int
     reaction_trials: int
     reaction_default_trials: int
     compare_loops: bool  # also kvguard on asyncio's loop, when uvloop is installed
 
 
-FULL = Plan(60.0, 3.0, 3, 4.0, 2.5, 0.5, True, 300, 5, 2, True)
-QUICK = Plan(4.0, 0.5, 1, 0.75, 0.5, 0.2, False, 30, 2, 1, False)
+FULL = Plan(60.0, 3.0, 3, 4.0, 2.5, 0.5, True, True, 300, 5, 2, True)
+QUICK = Plan(4.0, 0.5, 1, 0.75, 0.5, 0.2, False, False, 30, 2, 1, False)
 
 
 # ------------------------------------------------------------------ targets
@@ -290,6 +291,7 @@ def run(*, quick: bool, out: Path) -> dict[str, Any]:
                 closed_s=plan.closed_s,
                 warmup_s=plan.client_warmup_s,
                 cached_prompt=plan.cached_prompt,
+                many_in_flight=plan.many_in_flight,
                 compare_loops=plan.compare_loops,
             ),
         )

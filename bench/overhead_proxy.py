@@ -25,7 +25,11 @@ bench/overhead_client.py):
   part of kvguard's cost per request is the stack;
 * ``kvguard_cached_prompt`` (a diagnostic, no target): the same kvguard, sent one
   prompt over and over, so its token-count cache answers: for streams, the
-  difference to ``kvguard`` is what the ``/tokenize`` round trip per new prompt costs.
+  difference to ``kvguard`` is what the ``/tokenize`` round trip per new prompt costs;
+* ``kvguard_many_in_flight`` (a diagnostic, no target): the same kvguard, its closed
+  loop at ``MANY_IN_FLIGHT`` requests at once rather than ``CONCURRENCY``: whether
+  what kvguard spends per request grows with what is in flight (its accounting is
+  meant to cost the same with 32 or 256 requests in flight).
 
 Each round runs every target once, in a rotating order so none is always first; a
 round is, per kind (``json`` whole answers, ``stream`` SSE): a warm-up, an open loop
@@ -61,6 +65,7 @@ from bench.overhead_scrape import gpu_pool_page
 
 RATE = 200.0
 CONCURRENCY = 32
+MANY_IN_FLIGHT = 256  # the kvguard_many_in_flight diagnostic's closed loop
 KINDS = ("json", "stream")
 TARGETS = (
     "direct",
@@ -68,6 +73,7 @@ TARGETS = (
     "nginx",
     "nginx_admission",
     "kvguard_cached_prompt",
+    "kvguard_many_in_flight",
     "kvguard_asyncio",
     "aiohttp_floor",
 )
@@ -81,13 +87,19 @@ def _percentile(values: list[float], share: float) -> float | None:
 
 
 def _client(
-    url: str, *, open_s: float, closed_s: float, warmup_s: float, repeat: bool = False
+    url: str,
+    *,
+    open_s: float,
+    closed_s: float,
+    warmup_s: float,
+    repeat: bool = False,
+    concurrency: int = CONCURRENCY,
 ) -> dict[str, Any]:
     argv = [PYTHON, "-m", "bench.overhead_client", "--url", url, "--rate", str(RATE)]
     if repeat:
         argv.append("--repeat-prompt")
     argv += ["--open-s", str(open_s), "--closed-s", str(closed_s)]
-    argv += ["--concurrency", str(CONCURRENCY), "--warmup-s", str(warmup_s)]
+    argv += ["--concurrency", str(concurrency), "--warmup-s", str(warmup_s)]
     budget = 2 * (warmup_s + open_s + closed_s) + 60  # generous: its requests time out anyway
     done = subprocess.run(  # noqa: S603 - our own client, argv without a shell
         argv, cwd=ROOT, capture_output=True, text=True, timeout=budget, check=False
@@ -165,7 +177,13 @@ class Paths:
 
 
 def _start_paths(
-    tmp: Path, paths: Paths, *, cached_prompt: bool, compare_loops: bool, floor: bool
+    tmp: Path,
+    paths: Paths,
+    *,
+    cached_prompt: bool,
+    compare_loops: bool,
+    floor: bool,
+    many_in_flight: bool,
 ) -> Proc:
     """Start the stub and every path to it (into ``paths``); returns the stub."""
     stub = start_stub(tmp, metrics=[gpu_pool_page(tmp)])
@@ -198,6 +216,9 @@ def _start_paths(
     if cached_prompt:
         paths.urls["kvguard_cached_prompt"] = kvguard.proxy
         paths.meters["kvguard_cached_prompt"] = Meter(kvguard.proc)
+    if many_in_flight:
+        paths.urls["kvguard_many_in_flight"] = kvguard.proxy
+        paths.meters["kvguard_many_in_flight"] = Meter(kvguard.proc)
     if floor:
         bare = start_floor(tmp, stub.url)
         paths.procs.append(bare)
@@ -214,7 +235,12 @@ def _one_target(
     for started in (meter, side, stub_meter):
         if started is not None:
             started.start()
-    done = _client(paths.urls[target], repeat=target == "kvguard_cached_prompt", **client)
+    done = _client(
+        paths.urls[target],
+        repeat=target == "kvguard_cached_prompt",
+        concurrency=MANY_IN_FLIGHT if target == "kvguard_many_in_flight" else CONCURRENCY,
+        **client,
+    )
     done["stub_cpu_s"] = stub_meter.stop()["cpu_s"]
     if meter is not None:
         figures = meter.stop()
@@ -238,17 +264,24 @@ def measure_proxy(
     cached_prompt: bool = True,
     compare_loops: bool = True,
     floor: bool = True,
+    many_in_flight: bool = True,
 ) -> dict[str, Any]:
     """Every target, ``rounds`` times, with the CPU each proxy used per request.
 
     ``cached_prompt``: also the ``kvguard_cached_prompt`` diagnostic. ``compare_loops``:
     when kvguard runs on uvloop, also the same kvguard on asyncio's loop. ``floor``:
-    also the bare aiohttp pass-through (``aiohttp_floor``).
+    also the bare aiohttp pass-through (``aiohttp_floor``). ``many_in_flight``: also
+    the same kvguard at ``MANY_IN_FLIGHT`` requests at once (``kvguard_many_in_flight``).
     """
     paths = Paths()
     try:
         stub = _start_paths(
-            tmp, paths, cached_prompt=cached_prompt, compare_loops=compare_loops, floor=floor
+            tmp,
+            paths,
+            cached_prompt=cached_prompt,
+            compare_loops=compare_loops,
+            floor=floor,
+            many_in_flight=many_in_flight,
         )
         targets = list(paths.urls)
         stub_meter = Meter(stub)
@@ -279,6 +312,7 @@ def measure_proxy(
         return {
             "rate_per_s": RATE,
             "concurrency": CONCURRENCY,
+            "many_in_flight": MANY_IN_FLIGHT,
             "rounds": rounds,
             "open_s": open_s,
             "closed_s": closed_s,

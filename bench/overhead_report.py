@@ -10,6 +10,7 @@ PATH_NAMES = {
     "nginx": "through nginx",
     "nginx_admission": "through nginx asking kvguard's /admission",
     "kvguard_cached_prompt": "through kvguard, prompt cached (diagnostic)",
+    "kvguard_many_in_flight": "through kvguard, 256 requests at once (diagnostic)",
     "kvguard_asyncio": "through kvguard on asyncio's loop",
     "aiohttp_floor": "through a bare aiohttp pass-through (diagnostic)",
 }
@@ -363,6 +364,15 @@ def _notes(result: dict[str, Any]) -> list[str]:
             f" HTTP stack it runs on (aiohttp server and client, the bare pass-through) takes"
             f" {_num(floor['cpu_ms_per_request'], 3)} ms; kvguard's own work (screen, body"
             f" parse, admission, accounting, header rules) the other {_num(own, 3)} ms."
+        )
+    many = cpu.get("kvguard_many_in_flight", {})
+    if mine.get("cpu_ms_per_request") and many.get("cpu_ms_per_request"):
+        notes.append(
+            f"With {result['proxy'].get('many_in_flight', 'n/a')} requests at once in its"
+            f" closed loops rather than {result['proxy'].get('concurrency', 'n/a')}, kvguard"
+            f" spends {_num(many['cpu_ms_per_request'], 3)} ms of CPU per request (against"
+            f" {_num(mine['cpu_ms_per_request'], 3)}); admission reads what is in flight"
+            " from totals kept as requests change, not a sum over them."
         )
     uv, plain_loop = cpu.get("kvguard", {}), cpu.get("kvguard_asyncio", {})
     if plain_loop and summary:

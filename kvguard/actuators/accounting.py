@@ -18,6 +18,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar, NamedTuple
 
 from kvguard.core.admission import pooled_reservation, whole_blocks
 from kvguard.core.histogram import TOKEN_BUCKETS, Histogram
@@ -166,9 +167,30 @@ class TokenCache:
             self._items.popitem(last=False)
 
 
+# The fields a request's share of the in-flight totals is computed from: a change to
+# one of them while it is in flight updates its registry's totals (see Inflight).
+SHARE_FIELDS = frozenset(
+    {
+        "prompt_tokens",
+        "generated",
+        "max_tokens",
+        "reserved_output",
+        "output_ceiling",
+        "expected_output",
+        "output_variance",
+    }
+)
+
+
 @dataclass(eq=False)
 class InflightRequest:
-    """One request passing through the proxy to the engine."""
+    """One request passing through the proxy to the engine.
+
+    While it is in flight (between :meth:`Inflight.add` and :meth:`Inflight.done`) a
+    change to any of :data:`SHARE_FIELDS` updates the registry's totals at once, so
+    that what is in flight is read in O(1) per admission, not summed over every
+    request.
+    """
 
     request_id: str
     priority: str
@@ -213,6 +235,29 @@ class InflightRequest:
     # whether the engine's count replaced it since (usage, or /tokenize).
     prompt_estimate: int | None = None
     prompt_exact: bool = False
+
+    # Class-level defaults, not fields: set by the registry that holds the request.
+    _registry: ClassVar[Inflight | None] = None
+    _share: ClassVar[Share | None] = None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """Set a field; one that shapes its share of the totals updates its registry's."""
+        registry = self._registry
+        if registry is None or name not in SHARE_FIELDS:
+            object.__setattr__(self, name, value)
+            return
+        share = self._share
+        if name == "generated" and share is not None:
+            # The hot path (every streamed chunk): what it holds changes; its
+            # reservation only once the answer passes what was reserved for it.
+            before, now = self.generated, int(value)  # type: ignore[call-overload]
+            if now <= share.flat_until and before <= share.flat_until:
+                object.__setattr__(self, name, now)
+                registry.wrote(now - before)
+                return
+        registry.changing(self)
+        object.__setattr__(self, name, value)
+        registry.changed(self)
 
     @property
     def footprint_tokens(self) -> int:
@@ -269,8 +314,42 @@ class InflightRequest:
         return -(-self.generated // max(self.sequences, 1))
 
 
+class Share(NamedTuple):
+    """One request's part of the in-flight totals, in whole blocks of the registry's size."""
+
+    footprint: int  # tokens it holds now
+    each: int  # its projection
+    expected: int  # where it is expected to end (its projection while that is unknown)
+    variance: float  # of its answers' length
+    # Its projection and expectation stay as they are while it has written no more
+    # than this: what it writes until then changes only what it holds.
+    flat_until: float
+
+
+def share_of(request: InflightRequest, block_size: int) -> Share:
+    """``request``'s part of the in-flight totals (:class:`Share`)."""
+    reserved = (
+        request.reserved_output if request.reserved_output is not None else request.max_tokens
+    )
+    flat_until: float = reserved or 0
+    if request.expected_output is not None:
+        flat_until = min(flat_until, math.ceil(request.expected_output))
+    return Share(
+        request.footprint_tokens,
+        whole_blocks(request.projected_tokens, block_size),
+        whole_blocks(request.expected_tokens, block_size),
+        request.output_variance,
+        flat_until,
+    )
+
+
 class Inflight:
-    """The registry of in-flight requests and the size histograms."""
+    """The registry of in-flight requests, their totals and the size histograms.
+
+    The totals (what all hold now, their projections, expectations and variance) are
+    kept up to date as each request changes (:class:`InflightRequest` tells its
+    registry), so reading them costs the same with 5 or 500 requests in flight.
+    """
 
     def __init__(self) -> None:
         # Keyed by the request itself: ids come from clients (X-Request-Id) and may repeat.
@@ -278,6 +357,11 @@ class Inflight:
         self.version = 0  # changes whenever a request is added or done
         self.kv_tokens = Histogram(TOKEN_BUCKETS)  # footprint at the end of each request
         self.prompt_tokens = Histogram(TOKEN_BUCKETS)
+        self._block_size = 1  # the block size the projection totals are kept in
+        self._held = 0
+        self._each = 0
+        self._expected = 0
+        self._variance = 0.0
 
     def __iter__(self) -> Iterator[InflightRequest]:
         return iter(list(self._requests.values()))
@@ -291,8 +375,12 @@ class Inflight:
 
     def add(self, request: InflightRequest) -> None:
         """Start accounting a request."""
+        if request in self._requests:
+            return
         self._requests[request] = request
         self.version += 1
+        object.__setattr__(request, "_registry", self)
+        self._count(request, share_of(request, self._block_size))
 
     def done(self, request: InflightRequest) -> None:
         """Stop accounting a request and record its final sizes.
@@ -302,8 +390,56 @@ class Inflight:
         """
         if self._requests.pop(request, None) is not None:
             self.version += 1
+            self._uncount(request)
+            object.__setattr__(request, "_registry", None)
             self.kv_tokens.observe(request.footprint_tokens)
             self.prompt_tokens.observe(request.prompt_tokens)
+
+    def wrote(self, tokens: int) -> None:
+        """A request in flight wrote ``tokens`` more, within what was reserved for it."""
+        self._held += tokens
+
+    def changing(self, request: InflightRequest) -> None:
+        """``request`` is about to change: its part is taken out of the totals."""
+        if request in self._requests:
+            self._uncount(request)
+
+    def changed(self, request: InflightRequest) -> None:
+        """``request`` changed: its part of the totals is computed again."""
+        if request in self._requests:
+            self._count(request, share_of(request, self._block_size))
+
+    def _count(self, request: InflightRequest, share: Share) -> None:
+        object.__setattr__(request, "_share", share)
+        self._held += share.footprint
+        self._each += share.each
+        self._expected += share.expected
+        self._variance += share.variance
+
+    def _uncount(self, request: InflightRequest) -> None:
+        share = request._share
+        if share is None:
+            return
+        object.__setattr__(request, "_share", None)
+        # What it holds now, not what its share said: chunks within its reservation
+        # were added to the total as they came (wrote), not to its share.
+        self._held -= request.footprint_tokens
+        self._each -= share.each
+        self._expected -= share.expected
+        self._variance -= share.variance
+
+    def recount(self, block_size: int | None = None) -> None:
+        """Compute every total again from the requests (``block_size``: in these blocks).
+
+        Called every tick, so a change that did not reach the totals (there should be
+        none) lasts one tick at most; and when the engine's block size changes.
+        """
+        if block_size is not None:
+            self._block_size = max(block_size, 1)
+        self._held = self._each = self._expected = 0
+        self._variance = 0.0
+        for request in self._requests.values():
+            self._count(request, share_of(request, self._block_size))
 
     def running_answers(self) -> list[tuple[tuple[str, str, str], int]]:
         """(kind, tokens per sequence written so far) of each answer being written.
@@ -323,23 +459,19 @@ class Inflight:
 
         At ``quantile`` 1, the sum of each one's projection; below it, a ``quantile``
         of their total where their expected lengths are known, never more than that
-        sum (:func:`kvguard.core.admission.pooled_reservation`).
+        sum (:func:`kvguard.core.admission.pooled_reservation`). O(1): the totals are
+        kept as requests change (recounted once when ``block_size`` changes).
         """
-        each = expected = 0
-        variance = 0.0
-        for r in self._requests.values():
-            each += whole_blocks(r.projected_tokens, block_size)
-            if quantile < 1.0:
-                expected += whole_blocks(r.expected_tokens, block_size)
-                variance += r.output_variance
+        if max(block_size, 1) != self._block_size:
+            self.recount(block_size)
         if quantile >= 1.0:
-            return each
-        return pooled_reservation(each, expected, variance, quantile)
+            return self._each
+        return pooled_reservation(self._each, self._expected, self._variance, quantile)
 
     @property
     def total_tokens(self) -> int:
         """Tokens all in-flight requests hold now."""
-        return sum(r.footprint_tokens for r in self._requests.values())
+        return self._held
 
     def largest(self, *, spare: str = "critical") -> InflightRequest | None:
         """The request with the largest footprint, ``spare`` priority excluded."""

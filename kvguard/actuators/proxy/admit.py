@@ -18,7 +18,7 @@ import contextlib
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
 
@@ -242,7 +242,7 @@ class Admission:
             not known.exact
             and not decides
             and single
-            and self._worth_counting(_at_most(tracked, measured[0], generation.samples))
+            and self._worth_counting(tracked, measured[0], generation.samples)
         ):
             # The estimate may be what decides: it errs high on plain text but low on
             # text dense in tokens (digits, code, other scripts), so a prompt is counted
@@ -359,6 +359,9 @@ class Admission:
         running: list[tuple[tuple[str, str, str], int]] | None = None
         tables: dict[tuple[str, str, str], LengthTable | None] = {}
         self._revision += 1
+        # The totals admission reads are kept as requests change; once a tick they are
+        # computed again from every request, so no drift could outlast a tick.
+        self._inflight.recount(self.mitigations.block_size)
         for tracked in self._inflight:
             if tracked.expected_ceiling is not None and tracked.kind is not None:
                 # Where it will likely end, given what it has written by now.
@@ -560,7 +563,11 @@ class Admission:
     def half_reserved(self) -> bool:
         """Whether admission is enforced and half the pool or more is reserved."""
         pool = self.mitigations.pool_tokens
-        return self.admission_enforced() and pool is not None and self.in_flight() * 2 >= pool
+        if not self.admission_enforced() or pool is None:
+            return False
+        projection = self.projection()
+        # The sum bounds what is in flight from above: below half, no peak is needed.
+        return projection.summed * 2 >= pool and projection.in_flight * 2 >= pool
 
     def admits_now(self, tracked: InflightRequest) -> bool:
         """Whether admission would let ``tracked`` in at once (True when it is not enforced)."""
@@ -569,7 +576,7 @@ class Admission:
         critical = tracked.priority == "critical"
         projection = self.projection()
         return rules.admits(
-            projection.in_flight,
+            projection.summed,  # whether anything is in flight (Projection.in_flight)
             self.own(tracked),
             self.mitigations.pool_tokens,
             self._terms(critical=critical).ratio,
@@ -577,17 +584,30 @@ class Admission:
             with_it=projection.with_it(tracked, self._limit(critical=critical)),
         )
 
-    def _worth_counting(self, most: InflightRequest) -> bool:
-        """Whether a prompt at the most it can be (``most``) must be counted before it goes in.
+    def _worth_counting(
+        self, tracked: InflightRequest, measured: PromptCount, samples: int
+    ) -> bool:
+        """Whether ``tracked``'s prompt, at the most it can be, must be counted before it goes in.
 
         When it would not fit now, or when it may hold more than
         :data:`COUNT_SHARE_OF_POOL` of the pool: several such prompts admitted at their
         estimates at once could fill it in their prefill, before any count comes back.
+        ``tracked`` (not in flight yet) is measured at that most (:func:`_most_prompt`,
+        from its text as ``measured``, ``samples`` sequences) and left as it was.
         """
+        if not self.admission_enforced():
+            return False  # nothing is decided from its size
+        most = _most_prompt(tracked, measured, samples)
         pool = self.mitigations.pool_tokens
-        if pool is not None and most.prompt_tokens > pool * COUNT_SHARE_OF_POOL:
-            return self.admission_enforced()
-        return not self.admits_now(most)
+        if pool is not None and most > pool * COUNT_SHARE_OF_POOL:
+            return True
+        prompt, max_tokens = tracked.prompt_tokens, tracked.max_tokens
+        tracked.prompt_tokens = most
+        try:
+            return not self.admits_now(tracked)
+        finally:
+            # own() fills a missing max_tokens: the request goes on as it came.
+            tracked.prompt_tokens, tracked.max_tokens = prompt, max_tokens
 
     def _limit(self, *, critical: bool) -> float | None:
         """What a request of the class may fill: ``ratio`` of the pool (None: unknown)."""
@@ -760,9 +780,9 @@ class Admission:
         peak step by step (:class:`~kvguard.core.admission.Envelope`), or its spread
         bound (:class:`~kvguard.core.admission.SpreadProfile`): the least.
         """
-        envelope = self._envelope()
+        envelope = self.envelope()
         least = min(self._summed(), envelope.peak)
-        profile = Projection(least, envelope, 0, self).profile()
+        profile = Projection(least, 0, self, envelope).profile()
         return least if profile is None else min(least, profile.peak_with())
 
     def _summed(self) -> int:
@@ -770,7 +790,8 @@ class Admission:
             self.mitigations.block_size, self._pooling_quantile()
         )
 
-    def _envelope(self) -> rules.Envelope:
+    def envelope(self) -> rules.Envelope:
+        """The in-flight requests' peak step by step (:class:`~kvguard.core.admission.Envelope`)."""
         return rules.Envelope(self.growth(r) for r in self._inflight)
 
     def growth(self, tracked: InflightRequest) -> rules.Growth:
@@ -812,7 +833,7 @@ class Admission:
         # The engine's count above what the proxy's requests hold: traffic that
         # bypasses the proxy. It holds on for as long as anything can tell.
         unseen = 0 if used is None else max(used - held, 0)
-        projection = Projection(summed, self._envelope(), unseen, self)
+        projection = Projection(summed, unseen, self)
         self._projection = (key, projection)
         return projection
 
@@ -914,7 +935,7 @@ class Admission:
                 return False
             # Re-read at each check: the pool may become unknown while waiting.
             projection, pool = self.projection(), mitigations.pool_tokens
-            in_flight = projection.in_flight
+            in_flight = projection.summed  # whether anything is in flight (Projection.in_flight)
             # Within a class, the newest that fits first ("adaptive LIFO", Facebook's
             # "Fail at Scale"): a queue only forms under overload, and then the request
             # that just came can still be answered in time, while the one that waited
@@ -967,7 +988,7 @@ class Admission:
     def _someone_fits(self) -> bool:
         """Whether a request waiting for room would fit it now (the highest class waiting)."""
         projection, pool = self.projection(), self.mitigations.pool_tokens
-        in_flight = projection.in_flight
+        in_flight = projection.summed  # whether anything is in flight (Projection.in_flight)
         for own_rank in sorted(self._waiting_ranks, reverse=True):
             waiting = self._waiting_ranks[own_rank]
             if not waiting:
@@ -998,30 +1019,53 @@ class Projection:
     step (:class:`~kvguard.core.admission.Envelope`) plus what the engine holds
     beyond them; and, where lengths are learned and the others refuse, the spread
     bound of that peak (:class:`~kvguard.core.admission.SpreadProfile`).
+
+    The sum is kept as requests change (O(1) to read); the peak step by step needs
+    every request in flight, sorted, so it is built only when the sum does not settle
+    the question (most requests, on a pool that is not nearly full, never need it).
     """
 
     summed: int
-    envelope: rules.Envelope
     unseen: int
     admission: Admission
+    _envelope: rules.Envelope | None = None
     _profile: rules.SpreadProfile | None = None
     _horizon: int = 0
 
     @property
+    def envelope(self) -> rules.Envelope:
+        """The in-flight requests' peak step by step (built on first use)."""
+        if self._envelope is None:
+            self._envelope = self.admission.envelope()
+        return self._envelope
+
+    @property
     def in_flight(self) -> int:
-        """Tokens in flight now: the lesser bound."""
+        """Tokens in flight now: the lesser bound.
+
+        0 exactly when :attr:`summed` is (every request in flight holds or will write
+        something, so its peak is above 0 whenever its projection is): where only
+        whether anything is in flight matters (:func:`~kvguard.core.admission.admits`
+        given ``with_it``), :attr:`summed` answers it without the peak.
+        """
+        if not self.summed:
+            return 0  # nothing reserved, nothing counted by the engine: no peak to find
         return min(self.summed, self.envelope.peak + self.unseen)
 
     def with_it(self, tracked: InflightRequest, limit: float | None = None) -> int:
         """Tokens in flight with ``tracked`` admitted too: the least bound.
 
-        With ``limit`` (what it is compared with), the spread bound, the costliest, is
-        computed only when the others are over it.
+        With ``limit`` (what it is compared with), a bound that is within it is
+        returned as soon as one is found: the sum first (O(1)), then the peak step by
+        step, then the spread bound, the costliest. Without ``limit``, the least.
         """
         admission = self.admission
         own = admission.own(tracked)  # first: it sets a missing max_tokens
+        summed = self.summed + own
+        if limit is not None and summed <= limit:
+            return summed
         peak = self.envelope.peak_with(admission.growth(tracked)) + self.unseen
-        cheap = min(self.summed + own, peak)
+        cheap = min(summed, peak)
         if limit is not None and cheap <= limit:
             return cheap
         profile = self.profile()
@@ -1074,8 +1118,8 @@ def _measure_all(payload: dict[str, Any], generation: shapes.Generation) -> list
     ]
 
 
-def _at_most(tracked: InflightRequest, measured: PromptCount, samples: int) -> InflightRequest:
-    """``tracked`` with its prompt at the most it can be: one token a byte of its text.
+def _most_prompt(tracked: InflightRequest, measured: PromptCount, samples: int) -> int:
+    """The most ``tracked``'s prompt can hold: one token a byte of its text.
 
     The byte-based estimate (``ESTIMATE_BYTES_PER_TOKEN`` bytes a token, then scaled by
     what the engine counted for recent prompts) errs high on plain English and low on
@@ -1085,8 +1129,7 @@ def _at_most(tracked: InflightRequest, measured: PromptCount, samples: int) -> I
     engines kvguard guards writes more tokens than bytes (byte-level BPE and byte
     fallback cover one byte a token at least).
     """
-    most = max(measured.count * ESTIMATE_BYTES_PER_TOKEN * max(samples, 1), tracked.prompt_tokens)
-    return replace(tracked, prompt_tokens=most)
+    return max(measured.count * ESTIMATE_BYTES_PER_TOKEN * max(samples, 1), tracked.prompt_tokens)
 
 
 def _kind_of(payload: Mapping[str, Any], path: str, priority: str) -> tuple[str, str, str]:
