@@ -320,7 +320,9 @@ class Share(NamedTuple):
     footprint: int  # tokens it holds now
     each: int  # its projection
     expected: int  # where it is expected to end (its projection while that is unknown)
-    variance: float  # of its answers' length
+    # Of its answers' length, in whole tokens squared (rounded up): integers add and
+    # subtract exactly, where floats kept as a running total would drift.
+    variance: int
     # Its projection and expectation stay as they are while it has written no more
     # than this: what it writes until then changes only what it holds.
     flat_until: float
@@ -338,7 +340,7 @@ def share_of(request: InflightRequest, block_size: int) -> Share:
         request.footprint_tokens,
         whole_blocks(request.projected_tokens, block_size),
         whole_blocks(request.expected_tokens, block_size),
-        request.output_variance,
+        math.ceil(request.output_variance),
         flat_until,
     )
 
@@ -361,7 +363,7 @@ class Inflight:
         self._held = 0
         self._each = 0
         self._expected = 0
-        self._variance = 0.0
+        self._variance = 0
 
     def __iter__(self) -> Iterator[InflightRequest]:
         return iter(list(self._requests.values()))
@@ -436,8 +438,7 @@ class Inflight:
         """
         if block_size is not None:
             self._block_size = max(block_size, 1)
-        self._held = self._each = self._expected = 0
-        self._variance = 0.0
+        self._held = self._each = self._expected = self._variance = 0
         for request in self._requests.values():
             self._count(request, share_of(request, self._block_size))
 

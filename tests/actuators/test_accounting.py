@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +21,7 @@ def _summed(requests: list[InflightRequest], block: int, quantile: float) -> int
     if quantile >= 1.0:
         return each
     expected = sum(whole_blocks(r.expected_tokens, block) for r in requests)
-    variance = sum(r.output_variance for r in requests)
+    variance = sum(math.ceil(r.output_variance) for r in requests)  # whole tokens squared
     return pooled_reservation(each, expected, variance, quantile)
 
 
