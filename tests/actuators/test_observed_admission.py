@@ -350,6 +350,51 @@ def test_when_the_set_runs_past_its_quantile_the_largest_holding_the_pool_goes()
     assert proxy.counters.cancelled["overrun"] == 1
 
 
+def test_a_critical_answer_goes_only_when_nothing_else_would_keep_the_engine_alive():
+    """All in flight critical and the pool about to run out: the largest critical answer goes.
+
+    An engine that fails on exhaustion loses every answer in flight, the critical ones
+    too: cutting one keeps the others. Beside a standard answer large enough to free
+    the room, that one goes and no critical answer does.
+    """
+    mitigations = Mitigations(pool_tokens=8000, block_size=16)
+    proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:9"), mitigations)
+    small = _streaming("small", "critical", prompt=1000, written=500)
+    large = _streaming("large", "critical", prompt=2000, written=300)
+    other = _streaming("other", "critical", prompt=2000, written=800)
+    for tracked in (small, large, other):
+        proxy.inflight.add(tracked)
+    clock = iter(range(100))
+
+    def tick(used: int, wrote: int) -> int:
+        for tracked in (small, large, other):
+            if not tracked.cancelled:
+                tracked.generated += wrote
+        mitigations.engine_used_tokens = used
+        return proxy.review_reservations(next(clock) * 0.5, 1.0)
+
+    assert tick(6600, 0) == 0
+    assert tick(7400, 100) == 0  # it lasts two readings: nothing is cut
+    assert tick(7500, 100) == 1  # it would not: the critical answer holding most goes
+    assert [r.request_id for r in (small, large, other) if r.cancelled] == ["other"]
+
+    # With a standard answer that frees enough, it goes instead.
+    mitigations = Mitigations(pool_tokens=8000, block_size=16)
+    proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:9"), mitigations)
+    standard = _streaming("standard", "standard", prompt=1000, written=500)
+    critical = [_streaming(f"c{i}", "critical", prompt=2000, written=800) for i in range(2)]
+    for tracked in (standard, *critical):
+        proxy.inflight.add(tracked)
+    mitigations.engine_used_tokens = 6600
+    assert proxy.review_reservations(0.0, 1.0) == 0
+    for tracked in (standard, *critical):
+        tracked.generated += 100
+    mitigations.engine_used_tokens = 7500
+    assert proxy.review_reservations(0.5, 1.0) == 1
+    assert standard.cancelled
+    assert not any(r.cancelled for r in critical)
+
+
 def test_answers_that_do_not_stream_are_cancelled_when_the_engine_holds_more_than_reserved():
     """Whole answers admitted at a short learned length grow unseen: the engine's count shows it.
 

@@ -452,9 +452,11 @@ class Admission:
         those past their reservation, lowest class first and within a class the
         newest (the least work lost); then, if that is not enough, the others that
         hold the pool, lowest class first and within a class the largest (the fewest
-        clients cut). Never a critical one. Only while admission is enforced (not in
-        dry-run), and only for an engine that fails when its pool runs out
-        (``Mitigations.kv_exhaustion``): one that preempts resumes the answer later.
+        clients cut). A critical answer only when cutting every other one would not
+        be enough: the engine would fail, and lose every critical answer in flight.
+        Only while admission is enforced (not in dry-run), and only for an engine that
+        fails when its pool runs out (``Mitigations.kv_exhaustion``): one that
+        preempts resumes the answer later.
         """
         used, pool = self.mitigations.engine_used_tokens, self.mitigations.pool_tokens
         if used is None:
@@ -488,20 +490,20 @@ class Admission:
             return []
         held = self._holdings(requests, used)
         order = {id(r): i for i, r in enumerate(requests)}
-        cancellable = [
-            r
-            for r in requests
-            if r.priority != "critical" and not r.cancelled and r.cancel is not None
-        ]
-        outran = sorted(
-            (r for r in cancellable if r.outran), key=lambda r: (rank(r.priority), -order[id(r)])
-        )
-        # Within their reservations but holding the pool: the set ran past its quantile.
-        holding = sorted(
-            (r for r in cancellable if not r.outran and held[id(r)] > 0),
-            key=lambda r: (rank(r.priority), -held[id(r)], -order[id(r)]),
-        )
-        candidates = outran + holding
+        cancellable = [r for r in requests if not r.cancelled and r.cancel is not None]
+        candidates: list[InflightRequest] = []
+        # Critical answers last: only where cutting every other one would not keep the
+        # engine alive — an engine that dies loses every critical answer in flight.
+        for critical in (False, True):
+            ours = [r for r in cancellable if (r.priority == "critical") is critical]
+            candidates += sorted(
+                (r for r in ours if r.outran), key=lambda r: (rank(r.priority), -order[id(r)])
+            )
+            # Within their reservations but holding the pool: the set ran past its quantile.
+            candidates += sorted(
+                (r for r in ours if not r.outran and held[id(r)] > 0),
+                key=lambda r: (rank(r.priority), -held[id(r)], -order[id(r)]),
+            )
         footprints = [rules.whole_blocks(held[id(r)], block) for r in candidates]
         return candidates[: rules.overrun_cancels(used, growth, pool, footprints, writing)]
 
