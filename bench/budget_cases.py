@@ -85,7 +85,7 @@ def evaluate(case: dict[str, Any]) -> dict[str, Any]:
         version=version,
         tp=inputs.tp,
         pp=inputs.pp,
-        utilization=inputs.gpu_memory_utilization,
+        utilization=inputs.utilization,
         predicted_kv_gib=round(b.kv_pool_bytes_per_gpu / GiB, 3),
         logged_kv_gib=logged.get("kv_cache_gib"),
         predicted_tokens=b.kv_capacity_tokens,
@@ -123,14 +123,15 @@ def case_inputs(case: dict[str, Any], version: str | None) -> BudgetInputs:
         tp=flags.get("tp") or resolved.get("tp") or 1,
         pp=flags.get("pp") or resolved.get("pp") or 1,
         max_model_len=flags.get("max_model_len") or case["logged"].get("max_concurrency_tokens"),
+        # Not stated: vLLM's default for the case's release (0.9, 0.92 from 0.20).
         gpu_memory_utilization=flags.get("gpu_memory_utilization")
-        or resolved.get("gpu_memory_utilization")
-        or 0.9,
+        or resolved.get("gpu_memory_utilization"),
         block_size=flags.get("block_size") or 16,
         kv_cache_dtype=flags.get("kv_cache_dtype") or "auto",
         max_num_batched_tokens=flags.get("max_num_batched_tokens"),
         max_num_seqs=flags.get("max_num_seqs"),
         enforce_eager=bool(flags.get("enforce_eager")),
+        sampler=flags.get("sampler"),  # where the start-up's log says which it took
         engine_version=version,
         gpu_memory_bytes=total or preset.memory_bytes,
         gpu_name=preset.name,

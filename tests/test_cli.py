@@ -982,3 +982,32 @@ def test_run_usage_errors_exit_2_and_its_help_says_the_codes(tmp_path, capsys, m
     flat = " ".join(helptext.split())
     assert "Exit 0: stopped by SIGTERM or SIGINT; 1: the config is invalid" in flat
     assert "2: a usage error" in flat
+
+
+def test_the_default_utilization_and_sampler_follow_the_engine_version(capsys):
+    """Not given, the utilization is vLLM's own for the release; --sampler sizes the profile."""
+    current = run_json(capsys, "llama-3.1-8b", "--gpu", "H100")
+    assert current["inputs"]["gpu_memory_utilization"] == 0.92
+    older = run_json(capsys, "llama-3.1-8b", "--gpu", "H100", "--engine-version", "0.19")
+    assert older["inputs"]["gpu_memory_utilization"] == 0.9
+    given = run_json(capsys, "llama-3.1-8b", "--gpu", "H100", "--gpu-memory-utilization", "0.8")
+    assert given["inputs"]["gpu_memory_utilization"] == 0.8
+    sort = run_json(capsys, "llama-3.1-8b", "--gpu", "H100", "--engine-version", "0.11")
+    flashinfer = run_json(
+        capsys,
+        "llama-3.1-8b",
+        "--gpu",
+        "H100",
+        "--engine-version",
+        "0.11",
+        "--sampler",
+        "flashinfer",
+    )
+    assert "PyTorch sort" in sort["sources"]["activation"]
+    assert "FlashInfer top-k/top-p (given)" in flashinfer["sources"]["activation"]
+    assert flashinfer["activation_bytes_per_gpu"] < sort["activation_bytes_per_gpu"] / 2
+    assert flashinfer["kv_pool_bytes_per_gpu"] > sort["kv_pool_bytes_per_gpu"]
+    with pytest.raises(SystemExit) as exited:
+        main(["budget", "llama-3.1-8b", "--sampler", "fast"])
+    assert exited.value.code == 2
+    assert "--sampler" in capsys.readouterr().err

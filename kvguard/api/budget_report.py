@@ -71,7 +71,7 @@ def budget_to_dict(
             "tp": inputs.tp,
             "pp": inputs.pp,
             "concurrency": inputs.concurrency,
-            "gpu_memory_utilization": inputs.gpu_memory_utilization,
+            "gpu_memory_utilization": inputs.utilization,
             "max_num_batched_tokens": inputs.max_num_batched_tokens,
             "max_num_seqs": inputs.max_num_seqs,
             "block_size": inputs.block_size,
@@ -142,7 +142,7 @@ def render_budget(
         # fraction plays no part, so naming it would mislead.
         limit = f"fixed KV pool {format_bytes(inputs.kv_cache_memory_bytes)}"
     else:
-        limit = f"gpu_memory_utilization {inputs.gpu_memory_utilization:g}"
+        limit = f"gpu_memory_utilization {inputs.utilization:g}"
     att = shape.attention
     layout = f"{shape.full_layers} full"
     if shape.sliding_layers:

@@ -90,6 +90,7 @@ def logged_inputs(log: VllmStartupLog, given: BudgetInputs) -> BudgetInputs:
         max_num_seqs=log.max_num_seqs or given.max_num_seqs,
         engine_version=log.version or given.engine_version,
         enforce_eager=log.enforce_eager if log.enforce_eager is not None else given.enforce_eager,
+        sampler=log.sampler or given.sampler,
         gpu_memory_bytes=gpus_total,
         concurrency=1,
     )
@@ -122,7 +123,7 @@ def calibrated_inputs(log: VllmStartupLog, inputs: BudgetInputs, predicted: Budg
     overhead = _overhead(log)
     total = log.total_gpu_memory_bytes
     if (activation is None or overhead is None) and total and log.kv_cache_memory_bytes:
-        util = log.gpu_memory_utilization or predicted.inputs.gpu_memory_utilization
+        util = log.gpu_memory_utilization or predicted.inputs.utilization
         rest = int(total * util) - log.kv_cache_memory_bytes - weights
         activation, overhead = 0, max(0, rest)
     return replace(
@@ -194,7 +195,7 @@ def render_comparison(
     lines = [
         f"vLLM start-up log {log.source} ({version}, {log.model or 'model not named'})",
         f"Predicted with {b.engine_rule}, tp={b.inputs.tp}, pp={b.inputs.pp},"
-        f" max_model_len {b.max_model_len:,}, utilization {b.inputs.gpu_memory_utilization:g},"
+        f" max_model_len {b.max_model_len:,}, utilization {b.inputs.utilization:g},"
         f" {b.max_num_batched_tokens:,} batched tokens, {b.max_num_seqs:,} sequences",
         "",
         f"  {'figure':<26} {'vLLM logged':>14} {'kvguard':>14} {'difference':>12}",

@@ -23,11 +23,10 @@ from kvguard.cli.demo import add_demo_parser
 from kvguard.config.model_files import bundled_models, load_model_files
 from kvguard.core.budget import (
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_GPU_MEMORY_UTILIZATION,
     budget_inputs_from,
     plan_budget,
 )
-from kvguard.core.engine_rules import CURRENT_VLLM, speculative_layers
+from kvguard.core.engine_rules import CURRENT_VLLM, SAMPLERS, speculative_layers
 from kvguard.core.gpus import GPU_PRESETS, gpu_preset
 from kvguard.core.units import KV_DTYPES, format_bytes, parse_bytes, parse_count
 from kvguard.errors import ConfigError, InvalidInputError, KvguardError
@@ -116,8 +115,8 @@ def _add_budget(commands: argparse._SubParsersAction[_Parser]) -> None:
         "--gpu-memory-utilization",
         type=float,
         metavar="F",
-        help="fraction of GPU memory the engine may use"
-        f" (default {DEFAULT_GPU_MEMORY_UTILIZATION})",
+        help="fraction of GPU memory the engine may use (default: vLLM's own for"
+        " --engine-version: 0.92 from 0.20, 0.9 before)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
@@ -157,6 +156,13 @@ def _add_budget(commands: argparse._SubParsersAction[_Parser]) -> None:
         "--enforce-eager",
         action="store_true",
         help="as vLLM's flag: no CUDA graphs, so none are taken from the pool",
+    )
+    p.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        help="vLLM's top-k/top-p path, which sizes the sampler's profile: its start-up log"
+        " says ('Using FlashInfer for top-p & top-k sampling'); default: the release's own"
+        " (pytorch before 0.17, triton to 0.20, flashinfer after)",
     )
     p.add_argument(
         "--from-vllm-log",
@@ -241,11 +247,6 @@ def _run_budget(args: argparse.Namespace) -> int:
     inputs = budget_inputs_from(
         args,
         gpu_name=gpu if args.gpu is not None else None,
-        gpu_memory_utilization=(
-            DEFAULT_GPU_MEMORY_UTILIZATION
-            if args.gpu_memory_utilization is None
-            else args.gpu_memory_utilization
-        ),
         speculative_layers=speculative,
         max_model_len=_max_model_len(args.max_model_len),
         max_num_batched_tokens=_count(args.max_num_batched_tokens, "--max-num-batched-tokens"),

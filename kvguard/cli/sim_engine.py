@@ -53,7 +53,12 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     mem = pool.add_mutually_exclusive_group()
     mem.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory for the budget, e.g. 24GiB")
     mem.add_argument("--gpu", metavar="NAME", help="GPU preset for the budget, e.g. L4")
-    pool.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F")
+    pool.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        metavar="F",
+        help="as vLLM's flag (default: current vLLM's, 0.92)",
+    )
     pool.add_argument(
         "--kv-cache-dtype", default="auto", metavar="DTYPE", help=f"one of {', '.join(KV_DTYPES)}"
     )

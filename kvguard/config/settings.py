@@ -269,8 +269,10 @@ class ModelConfig:
         None, text, "the vLLM version whose memory rules the budget follows (else the current)"
     )
     kv_cache_dtype: str = setting("auto", choice(KV_DTYPES), "the KV cache's element type")
-    gpu_memory_utilization: float = setting(
-        0.9, number(0.0, 1.0), "the share of GPU memory the engine takes"
+    gpu_memory_utilization: float | None = setting(
+        None,
+        number(0.0, 1.0),
+        "the share of GPU memory the engine takes (else vLLM's default for engine_version)",
     )
     kv_cache_memory_bytes: int | None = setting(None, size, "the KV cache's size, if fixed")
     block_size: int = setting(16, integer(1, 4096), "tokens per KV block")

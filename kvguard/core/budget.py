@@ -16,21 +16,24 @@ from functools import partial
 
 from kvguard.core.architecture import ConfigFields, ModelShape, parse_fields
 from kvguard.core.engine_rules import (
+    SAMPLERS,
     V0_CHUNKED_FROM,
     BatchLimits,
     VllmRule,
     batch_defaults,
     cuda_graph_bytes,
+    default_gpu_memory_utilization,
     non_torch_bytes,
     sampler_bytes_per_logit,
+    sampler_kind,
     vllm_rule,
 )
+from kvguard.core.gpus import gpu_compute_capability
 from kvguard.core.units import DTYPE_BYTES, GiB, dtype_bytes
-from kvguard.core.weights import estimate_weights
+from kvguard.core.weights import estimate_weights, mxfp4_experts
 from kvguard.errors import InvalidInputError
 
 DEFAULT_GPU_MEMORY_BYTES = 80 * GiB
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_BLOCK_SIZE = 16
 SAMPLER_LOGIT_BYTES = 4  # fp32 logits per vocabulary entry per sequence (V0)
 # Buffers V0's profile held besides the forward pass's activations (the intercept
@@ -60,7 +63,7 @@ class BudgetInputs:
     concurrency: int = 1
     kv_cache_dtype: str = "auto"
     gpu_memory_bytes: int | None = None
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    gpu_memory_utilization: float | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -72,6 +75,14 @@ class BudgetInputs:
     gpu_name: str | None = None
     speculative_layers: int = 0
     enforce_eager: bool = False
+    sampler: str | None = None
+
+    @property
+    def utilization(self) -> float:
+        """``gpu_memory_utilization``, or vLLM's default for ``engine_version`` when not given."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return default_gpu_memory_utilization(vllm_rule(self.engine_version))
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "concurrency", "block_size"):
@@ -88,8 +99,13 @@ class BudgetInputs:
         for name in ("weights_bytes", "activation_bytes", "overhead_bytes"):
             _check_int(name, getattr(self, name), 0, MAX_BYTES, optional=True)
         util = self.gpu_memory_utilization
-        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+        if util is not None and (
+            isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1
+        ):
             raise InvalidInputError("gpu_memory_utilization", util, "must be a fraction in (0, 1]")
+        if self.sampler is not None and self.sampler not in SAMPLERS:
+            allowed = ", ".join(SAMPLERS)
+            raise InvalidInputError("sampler", self.sampler, f"must be one of {allowed}")
         if not isinstance(self.kv_cache_dtype, str):
             raise InvalidInputError("kv_cache_dtype", self.kv_cache_dtype, "must be a dtype name")
         dtype = self.kv_cache_dtype.strip().lower()
@@ -348,7 +364,7 @@ def compute_budget(
         limit = total
         sources["kv_pool"] = "given (--kv-cache-memory-bytes)"
     else:
-        limit = math.floor(total * Fraction(str(inputs.gpu_memory_utilization)))
+        limit = math.floor(total * Fraction(str(inputs.utilization)))
         sources["kv_pool"] = "memory x utilization - weights - activation - overhead"
 
     sized = partial(
@@ -572,7 +588,9 @@ def _size_for(
     )
     activation, activation_source = inputs.activation_bytes, given_as
     if activation is None:
-        activation, activation_source = estimate_activation_bytes(shape, inputs.tp, limits, rule)
+        activation, activation_source = estimate_activation_bytes(
+            shape, inputs.tp, limits, rule, inputs.sampler
+        )
     overhead, overhead_source = _overhead(inputs, rule, kv)
     if inputs.overhead_bytes is not None:
         overhead_source = given_as
@@ -618,7 +636,7 @@ def _longest_fitting(
 
 
 def estimate_activation_bytes(
-    shape: ModelShape, tp: int, batch: BatchLimits, rule: VllmRule
+    shape: ModelShape, tp: int, batch: BatchLimits, rule: VllmRule, sampler: str | None = None
 ) -> tuple[int, str]:
     """Peak activation memory per GPU of vLLM's profile run, and what sized it.
 
@@ -630,7 +648,8 @@ def estimate_activation_bytes(
     of the whole vocabulary (every GPU holds the gathered logits), which on today's
     large vocabularies is the peak. V0's profiles of Llama-3-8B at 8,192 and 20,000
     tokens fit a slimmer slope (residual, hidden, gate and up) over about 0.5 GiB of
-    fixed buffers, and it kept one fp32 copy of the logits.
+    fixed buffers, and it kept one fp32 copy of the logits. ``sampler`` is V1's
+    top-k/top-p path where known (:func:`~kvguard.core.engine_rules.sampler_bytes_per_logit`).
     """
     dtype = DTYPE_BYTES[shape.dtype]
     tokens = f"{batch.max_num_batched_tokens:,} batched tokens"
@@ -648,11 +667,11 @@ def estimate_activation_bytes(
         + ceil_div(3 * shape.mlp.active_intermediate, tp)
     )
     forward = math.ceil(batch.max_num_batched_tokens * per_token * dtype)
-    sampler = batch.max_num_seqs * shape.vocab_size * sampler_bytes_per_logit(rule)
-    if sampler >= forward:
-        return sampler, (
+    logits = batch.max_num_seqs * shape.vocab_size * sampler_bytes_per_logit(rule, sampler)
+    if logits >= forward:
+        return logits, (
             f"estimated: V1 profile, sampler over {batch.max_num_seqs:,} sequences"
-            f" x {shape.vocab_size:,} vocabulary"
+            f" x {shape.vocab_size:,} vocabulary, {sampler_kind(rule, sampler)}"
         )
     return forward, f"estimated: V1 profile, forward pass of {tokens}"
 
@@ -684,6 +703,8 @@ def plan_budget(
     cfg = ConfigFields(raw_config, source)
     shape = parse_fields(cfg)
     extra: tuple[str, ...] = ()
+    # vLLM pads MXFP4 experts on load, by the kernel the version and GPU imply.
+    capability = gpu_compute_capability(inputs.gpu_name)
     if inputs.weights_bytes is not None:
         weights = inputs.weights_bytes
         origin = "given (--weights-bytes)" if given_as == "given" else given_as
@@ -696,13 +717,28 @@ def plan_budget(
                 "model.safetensors.index.json, scaled from"
                 f" {shape.checkpoint_dtype} to {shape.dtype}"
             )
+        mx = mxfp4_experts(cfg, shape, inputs.engine_version, capability, inputs.tp)
+        if mx is not None:
+            # The index sizes the checkpoint's expert tensors; loading pads them.
+            weights += mx.padding_bytes
+            origin = (
+                f"{origin.removesuffix(' (exact)')}, plus the padding of MXFP4 experts"
+                f" in {mx.kernel_text} (estimated)"
+            )
+            extra = (mx.note,)
     else:
-        estimate = estimate_weights(cfg, shape)
-        weights, origin, extra = (
-            estimate.total_bytes,
-            "estimated from config shapes",
-            estimate.notes,
+        estimate = estimate_weights(
+            cfg,
+            shape,
+            engine_version=inputs.engine_version,
+            compute_capability=capability,
+            tp=inputs.tp,
         )
+        origin = "estimated from config shapes"
+        mx = mxfp4_experts(cfg, shape, inputs.engine_version, capability, inputs.tp)
+        if mx is not None:
+            origin += f", MXFP4 experts padded for {mx.kernel_text}"
+        weights, extra = estimate.total_bytes, estimate.notes
     budget = compute_budget(
         shape,
         inputs,

@@ -9,11 +9,14 @@ and the defaults it picks. Each rule here names the vLLM source it follows:
   70 GiB that are not A100s, 16,384/1,024 from 160 GiB, else 2,048/256 (vLLM 0.32).
   The V0 engine (before 0.8) ran 256 sequences and, without chunked prefill, batched
   a whole ``max_model_len`` (at least 2,048) per step.
+- **Default utilization** (``vllm/config/cache.py``): ``--gpu-memory-utilization``
+  is 0.9 unless given up to 0.19, 0.92 from 0.20.
 - **Activation peak**: V1's profile run (``gpu_model_runner.profile_run``) runs one
   forward pass of ``max_num_batched_tokens`` and then a dummy sampler over
-  ``max_num_seqs`` rows of the vocabulary with top-k/top-p, whose sort and softmax
-  copies dominate on large-vocabulary models. V0 profiled the forward pass and kept
-  fp32 logits.
+  ``max_num_seqs`` rows of the vocabulary with top-k/top-p; on large-vocabulary
+  models the sampler's copies are the peak, and how many there are depends on the
+  top-k/top-p path of the release (PyTorch's sort before 0.17, in place after). V0
+  profiled the forward pass and kept fp32 logits.
 - **Outside the pool**: since 0.21 the profiler also estimates CUDA graph memory
   and takes it from the pool (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``, default
   on); earlier versions captured graphs after sizing the pool, outside the
@@ -136,6 +139,16 @@ def batch_defaults(
     return BatchLimits(tokens, seqs, "given" if given else why)
 
 
+# vLLM's default --gpu-memory-utilization (``vllm/config/cache.py``, CacheConfig):
+# 0.9 until 0.19, 0.92 from 0.20 (0.20-0.32 read alike).
+UTILIZATION_092_FROM: tuple[int, int] = (0, 20)
+
+
+def default_gpu_memory_utilization(rule: VllmRule) -> float:
+    """The share of GPU memory vLLM takes when ``--gpu-memory-utilization`` is not given."""
+    return 0.92 if rule.version >= UTILIZATION_092_FROM else 0.9
+
+
 def non_torch_bytes(rule: VllmRule, tp: int) -> int:
     """Memory outside torch's allocator that grows while vLLM profiles (per GPU).
 
@@ -148,29 +161,74 @@ def non_torch_bytes(rule: VllmRule, tp: int) -> int:
     """
     if rule.engine == "v0":
         return round((0.35 if tp == 1 else 2.1) * GiB)
-    if rule.version < SAMPLER_CHANGE:
+    if rule.version < NON_TORCH_CHANGE:
         return round((0.13 if tp == 1 else 0.55) * GiB)
     return round((0.25 if tp == 1 else 2.1) * GiB)
 
 
-def sampler_bytes_per_logit(rule: VllmRule) -> int:
+# The first vLLM release kvguard models with the larger tensor-parallel buffers of
+# 0.19 (measured on both sides; the release in between that changed it is not known).
+NON_TORCH_CHANGE: tuple[int, int] = (0, 12)
+
+# What V1's profile run samples with (``vllm/v1/sample/ops/topk_topp_sampler.py``):
+# its dummy sampler run sets top-k and top-p on every row (``gpu_model_runner.
+# _dummy_sampler_run``), so the top-k/top-p path in force is what the peak holds.
+# Before 0.17, PyTorch's sort: vLLM turned FlashInfer's sampler off by default in
+# 0.11.1 (PR 26859) and before that used it only where FlashInfer was installed (an
+# optional extra; vLLM's Docker image has it: such a start-up logs "Using FlashInfer
+# for top-p & top-k sampling" and profiles the light figure). From 0.17, Triton
+# kernels that work in place (PR 33538); from 0.21 FlashInfer again by default.
+TRITON_SAMPLER: tuple[int, int] = (0, 17)
+FLASHINFER_SAMPLER: tuple[int, int] = (0, 21)
+
+
+SAMPLERS = ("pytorch", "triton", "flashinfer")
+"""vLLM's top-k/top-p paths, as ``kvguard budget --sampler`` names them."""
+
+
+def release_sampler(rule: VllmRule) -> str:
+    """The top-k/top-p path a release takes unless told otherwise (:data:`SAMPLERS`)."""
+    if rule.version < TRITON_SAMPLER:
+        return "pytorch"
+    return "triton" if rule.version < FLASHINFER_SAMPLER else "flashinfer"
+
+
+def sampler_bytes_per_logit(rule: VllmRule, sampler: str | None = None) -> int:
     """Bytes V1's profile-run sampler holds per sequence per vocabulary entry.
 
-    The dummy sampler run (top-k and top-p over every row) keeps the fp32 logits and
-    their softmax, sorted copy and sort indices at once. Fitted to the activation
-    peaks vLLM printed on H100 at 1,024 sequences: about 39 bytes on 0.11
+    With PyTorch's sort (before 0.17): the bf16 logits (2), their fp32 copy (4), the
+    sorted values (4) and int64 indices (8), the sort's int64 reverse indices (8) and
+    CUB's alternate key and value buffers (4 + 8): 38, at the sort. In place (Triton,
+    0.17-0.20; FlashInfer from 0.21): the bf16 and fp32 logits, the softmax and one
+    more fp32 row set: 14, plus Triton's cached rows. Measured on H100 at 1,024
+    sequences, the hidden states on top: about 39 bytes a logit on 0.11
     (llm-d-benchmark: 4.76 GiB for Llama-3.1-8B's 128,256-entry vocabulary, 5.56-5.64
-    for Qwen3's 151,936, 7.38 for gpt-oss's 201,088), about 15.5 on 0.19
+    for Qwen3's 151,936, 7.38 for gpt-oss's 201,088) and about 15.5 on 0.19
     (llm-d-planner: 1.89, 2.21, 2.87 GiB for the same vocabularies, 3.65 for
-    Gemma-2's 256,000). The change lies between those releases; kvguard switches at
-    0.12 (calibrate an engine in between with ``--from-vllm-log``).
+    Gemma-2's 256,000). A start-up of an older release with FlashInfer installed
+    profiles the light figure: calibrate it with ``--from-vllm-log``. vLLM's Model
+    Runner V2 (every generate model's from 0.29) sets no top-k/top-p in its dummy
+    run, and one public 0.27 start-up under it profiled under 7 bytes a logit; kvguard
+    keeps the in-place figure there, which errs toward a smaller pool, until a
+    start-up of such a release is compared. ``sampler`` (:data:`SAMPLERS`) is the path
+    the engine took where it is known (its log says); None: the release's own.
     """
-    return 39 if rule.version < SAMPLER_CHANGE else 15
+    return 39 if (sampler or release_sampler(rule)) == "pytorch" else 15
 
 
-# The first vLLM release kvguard models with the lighter sampler profile and the
-# larger tensor-parallel buffers of 0.19 (see the two functions above).
-SAMPLER_CHANGE: tuple[int, int] = (0, 12)
+def sampler_kind(rule: VllmRule, sampler: str | None = None) -> str:
+    """The top-k/top-p path V1's profile run samples with, in words (for sources)."""
+    if sampler is not None:
+        return {
+            "pytorch": "PyTorch sort top-k/top-p",
+            "triton": "Triton top-k/top-p",
+            "flashinfer": "FlashInfer top-k/top-p",
+        }[sampler] + " (given)"
+    if rule.version < TRITON_SAMPLER:
+        return "PyTorch sort top-k/top-p (vLLM before 0.17 without FlashInfer)"
+    if rule.version < FLASHINFER_SAMPLER:
+        return "Triton top-k/top-p (vLLM 0.17-0.20)"
+    return "FlashInfer top-k/top-p (vLLM 0.21+)"
 
 
 def cuda_graph_bytes(rule: VllmRule, layers_per_gpu: int, moe: bool, enforce_eager: bool) -> int:

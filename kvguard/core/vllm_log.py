@@ -92,6 +92,7 @@ class VllmStartupLog:
     max_num_seqs: int | None = None
     enforce_eager: bool | None = None
     speculative_config: str | None = None
+    sampler: str | None = None  # the top-k/top-p path it said it took (engine_rules.SAMPLERS)
     total_gpu_memory_bytes: int | None = None
     free_gpu_memory_at_startup_bytes: int | None = None
     requested_memory_bytes: int | None = None  # total x gpu_memory_utilization
@@ -569,7 +570,20 @@ def _args_line(line: str, out: _Collector, rank: tuple[int, str]) -> None:
         out.put("speculative_config", repr(args["speculative_config"]), what, rank)
 
 
+def _sampler_line(line: str, out: _Collector, rank: tuple[int, str]) -> None:
+    # vllm/v1/sample/ops/topk_topp_sampler.py says which top-k/top-p path it took (0.8
+    # to 0.16 print one or the other; later releases print neither where they take
+    # their default): what the profile run's sampler held.
+    if "Using FlashInfer for top-p & top-k sampling" in line:
+        out.put("sampler", "flashinfer", "top-k/top-p sampler line", rank)
+    elif "Falling back to the PyTorch-native implementation of top-p & top-k" in line or (
+        "topk_topp_sampler" in line and "FlashInfer is not available" in line
+    ):  # the warning's first half is enough: a captured log may wrap it
+        out.put("sampler", "pytorch", "top-k/top-p sampler line", rank)
+
+
 _READERS: tuple[Reader, ...] = (
+    _sampler_line,
     _profiling_results_line,
     _profiling_table_line,
     _profiling_takes_lines,

@@ -7,15 +7,55 @@ linear-attention mixers, dense or mixture-of-experts MLPs, norms, an untied
 attention QKV bias and small per-block quantization scales: for Llama-3.1-8B it
 equals the checkpoint's size. Multimodal towers are not counted. A
 quantization scheme it does not know is an error that says to pass the real size.
+
+MXFP4 experts (gpt-oss) are counted as vLLM holds them once loaded, not as the
+checkpoint stores them: vLLM pads the expert tensors to the tile sizes of the MoE
+kernel it picks, and the kernel follows the vLLM version and the GPU's compute
+capability. Each rule names the vLLM source it follows (paths under ``vllm/``):
+
+- **Padding** (per tensor-parallel shard for the intermediate size): Marlin pads
+  the intermediate size to 128 and the hidden size to 256; FlashInfer's TRTLLM
+  kernel (Blackwell) 256 and 256, 128 and 256 from 0.27; OAI's Triton kernel
+  (Hopper) only the intermediate size, to 64.
+  0.10.1.1 ``model_executor/layers/quantization/mxfp4.py:154-186``; 0.11.0 the same
+  file ``:189-226``; 0.19.0 ``model_executor/layers/fused_moe/oracle/mxfp4.py:376-400``
+  (``mxfp4_round_up_hidden_size_and_intermediate_size``); 0.27.0 the same
+  function ``:656-658`` (TRTLLM intermediate 128).
+- **Kernel**: compute capability below 9.0 (A100, A10, L4, L40S, RTX 3090/4090):
+  Marlin (0.10.1.1 ``quantization/mxfp4.py:123-135``; 0.11.0 ``:95-99``; from 0.19 the
+  Triton kernel needs 9.0-10.x, ``fused_moe/gpt_oss_triton_kernels_moe.py:555-563``).
+  Hopper: Marlin in 0.10.1.x, which pins torch 2.7.1 and takes Marlin below torch
+  2.8 (``quantization/mxfp4.py:133-134``), Triton from 0.10.2 (torch 2.8; 0.11.0
+  ``quantization/mxfp4.py:95-102``; 0.19.0 ``oracle/mxfp4.py:169-183``, Triton first
+  among the kernels Hopper supports; 0.32.0 ``oracle/mxfp4.py:389-422``). Blackwell
+  (10.x): FlashInfer TRTLLM first (0.10.1.1 ``quantization/mxfp4.py:35-50``; 0.11.0
+  ``:79-85``; 0.19.0 and 0.32.0 first in the same lists), assuming FlashInfer is
+  installed, as vLLM's CUDA images ship it.
+- **Biases**: gpt-oss's experts carry biases (``models/gpt_oss.py:194``,
+  ``has_bias=True``), stored in bf16; Marlin keeps bf16
+  (``quantization/utils/marlin_utils_fp4.py:284-288`` in 0.10.1.1), Triton and TRTLLM
+  upcast to fp32 (0.10.1.1 ``quantization/mxfp4.py:307-308, 390-394``; 0.19.0
+  ``oracle/mxfp4.py:456-457, 724-725``).
+- **Scales twice**: Triton swizzles the block scales into a new tensor (padded to
+  256 rows and an even number of scale columns, triton-lang/triton
+  ``triton_kernels/tensor_details/layout_details/hopper_scale.py``, not among the
+  vLLM sources) and, before 0.25, never frees the originals (0.10.1.1
+  ``quantization/mxfp4.py:403-421`` deletes only the weights; 0.19.0
+  ``oracle/mxfp4.py:728-745``; 0.25.0 ``oracle/mxfp4.py:1150-1156`` deletes the scales).
+
+With no GPU architecture known (a GPU given only by size, or ROCm) the estimate
+takes the kernel that stores the most: it overstates rather than understates.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 
 from kvguard.core.architecture import ConfigFields, ModelShape
+from kvguard.core.engine_rules import vllm_rule
 from kvguard.core.units import DTYPE_BYTES
 
 
@@ -28,12 +68,26 @@ class WeightEstimate:
     notes: tuple[str, ...]
 
 
-def estimate_weights(cfg: ConfigFields, shape: ModelShape) -> WeightEstimate:
-    """Parameter count and bytes of ``shape``, read together with its raw ``cfg``."""
+def estimate_weights(
+    cfg: ConfigFields,
+    shape: ModelShape,
+    *,
+    engine_version: str | None = None,
+    compute_capability: tuple[int, int] | None = None,
+    tp: int = 1,
+) -> WeightEstimate:
+    """Parameter count and bytes of ``shape``, read together with its raw ``cfg``.
+
+    ``engine_version``, ``compute_capability`` and ``tp`` matter only for MXFP4
+    experts, which vLLM pads by kernel (see the module docstring).
+    """
     notes: list[str] = []
     dense_bytes = DTYPE_BYTES[shape.dtype]
     linear_bytes, expert_bytes, quant_note = _quantized_widths(cfg, dense_bytes)
-    if quant_note:
+    mx = mxfp4_experts(cfg, shape, engine_version, compute_capability, tp)
+    if mx is not None:
+        notes.append(mx.note)
+    elif quant_note:
         notes.append(quant_note)
 
     embed = shape.vocab_size * shape.hidden_size
@@ -61,12 +115,172 @@ def estimate_weights(cfg: ConfigFields, shape: ModelShape) -> WeightEstimate:
         notes.append("weights of non-text towers (vision, audio) are not counted")
 
     parameters = embed + lm_head + per_layer_linear + per_layer_experts + norms
+    experts_total = per_layer_experts * expert_bytes
+    if mx is not None:
+        parameters += mx.bias_parameters
+        experts_total = Fraction(mx.served_bytes)
     total = (
-        (embed + lm_head + norms) * dense_bytes
-        + per_layer_linear * linear_bytes
-        + per_layer_experts * expert_bytes
+        (embed + lm_head + norms) * dense_bytes + per_layer_linear * linear_bytes + experts_total
     )
     return WeightEstimate(math.ceil(total), parameters, tuple(notes))
+
+
+@dataclass(frozen=True)
+class Mxfp4Kernel:
+    """How one of vLLM's MXFP4 MoE kernels holds the expert tensors of one GPU."""
+
+    name: str
+    intermediate_align: int  # of the intermediate size of one tensor-parallel shard
+    hidden_align: int  # 1: unpadded
+    bias_bytes: int
+    scales_twice: bool  # the block scales kept beside their swizzled copy
+
+    def layer_bytes(self, experts: int, hidden: int, intermediate: int, bias: bool) -> int:
+        """Bytes of one MoE layer's experts on one shard of ``intermediate`` columns."""
+        inter = _round_up(intermediate, self.intermediate_align)
+        hid = _round_up(hidden, self.hidden_align)
+        # gate_up (2 x inter rows of hid) and down (hid rows of inter): 4-bit values
+        # packed two a byte, one 8-bit scale per 32 values, along the inner dimension.
+        values = (2 * inter * hid + hid * inter) // 2
+        scales = 2 * inter * _ceil_div(hid, 32) + hid * _ceil_div(inter, 32)
+        biases = (2 * inter + hid) * self.bias_bytes if bias else 0
+        swizzled = 0
+        if self.scales_twice:
+            # HopperMXScaleLayout pads rows to 2 * num_warps(8) * 2 * 8 = 256 and
+            # scale columns to 2.
+            swizzled = _round_up(2 * inter, 256) * _round_up(_ceil_div(hid, 32), 2)
+            swizzled += _round_up(hid, 256) * _round_up(_ceil_div(inter, 32), 2)
+        return experts * (values + scales + biases + swizzled)
+
+    def describe(self, hidden: int, intermediate: int) -> str:
+        """What the kernel does to the tensors, in the words of a budget note."""
+        inter = _round_up(intermediate, self.intermediate_align)
+        hid = _round_up(hidden, self.hidden_align)
+        text = f"hidden {hidden:,} -> {hid:,}" if hid != hidden else f"hidden {hidden:,} unpadded"
+        text += f", intermediate per TP shard {intermediate:,} -> {inter:,}"
+        text += f", 4.25 bits per weight, {'fp32' if self.bias_bytes == 4 else 'bf16'} biases"
+        if self.scales_twice:
+            text += (
+                ", block scales held twice (vLLM before 0.25 keeps them beside the swizzled copy)"
+            )
+        return text
+
+
+MARLIN = Mxfp4Kernel("Marlin", 128, 256, 2, scales_twice=False)
+
+
+def _triton(version: tuple[int, int, int]) -> Mxfp4Kernel:
+    return Mxfp4Kernel("Triton", 64, 1, 4, scales_twice=version < (0, 25, 0))
+
+
+def _trtllm(version: tuple[int, int, int]) -> Mxfp4Kernel:
+    return Mxfp4Kernel("FlashInfer TRTLLM", 256 if version < (0, 27, 0) else 128, 256, 4, False)
+
+
+_PATCH = re.compile(r"^v?\d+\.\d+\.(\d+)")
+
+
+def mxfp4_kernels(
+    engine_version: str | None, compute_capability: tuple[int, int] | None
+) -> tuple[tuple[Mxfp4Kernel, ...], str]:
+    """The MXFP4 MoE kernels vLLM may pick, and why; several when it cannot be told."""
+    rule = vllm_rule(engine_version)
+    match = _PATCH.match(engine_version.strip()) if engine_version else None
+    patch = int(match.group(1)) if match else None
+    version = (*rule.version, patch or 0)
+    # 0.10.1.x picked Marlin on Hopper, 0.10.2 Triton: "0.10" alone is either.
+    hopper: tuple[Mxfp4Kernel, ...] = (
+        (MARLIN, _triton(version))
+        if rule.version == (0, 10) and patch is None
+        else (MARLIN,)
+        if version < (0, 10, 2)
+        else (_triton(version),)
+    )
+    if compute_capability is None:
+        unknown = tuple(dict.fromkeys((MARLIN, *hopper, _trtllm(version))))
+        return unknown, "GPU architecture unknown (a GPU given by size only, or ROCm)"
+    why = f"compute capability {compute_capability[0]}.{compute_capability[1]}"
+    if compute_capability < (9, 0):
+        return (MARLIN,), why
+    if compute_capability < (10, 0):
+        return hopper, why
+    if compute_capability < (11, 0):
+        return (_trtllm(version),), why
+    return tuple(dict.fromkeys((MARLIN, *hopper, _trtllm(version)))), f"{why}, not modelled"
+
+
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    """MXFP4 expert bytes of the whole model: as vLLM holds them, as stored, and why."""
+
+    served_bytes: int
+    stored_bytes: int
+    bias_parameters: int
+    kernel: Mxfp4Kernel
+    note: str
+    kernel_known: bool  # False: the largest of several kernels the inputs allow
+
+    @property
+    def padding_bytes(self) -> int:
+        """What loading adds to the checkpoint's expert tensors."""
+        return self.served_bytes - self.stored_bytes
+
+    @property
+    def kernel_text(self) -> str:
+        """The kernel, as the budget's weights source names it."""
+        if self.kernel_known:
+            return f"vLLM's {self.kernel.name} kernel"
+        return f"the largest of vLLM's kernels ({self.kernel.name}; GPU architecture unknown)"
+
+
+def mxfp4_experts(
+    cfg: ConfigFields,
+    shape: ModelShape,
+    engine_version: str | None,
+    compute_capability: tuple[int, int] | None,
+    tp: int = 1,
+) -> Mxfp4Experts | None:
+    """The MXFP4 experts of ``shape`` on vLLM's kernel; None when it has none."""
+    quant = cfg.get("quantization_config")
+    if not isinstance(quant, dict) or str(quant.get("quant_method", "")).lower() != "mxfp4":
+        return None
+    mlp = shape.mlp
+    layers = sum(1 for index in range(shape.num_layers) if mlp.experts and mlp.moe_layers[index])
+    if not layers:
+        return None
+    hidden, inter = shape.hidden_size, mlp.expert_intermediate
+    bias = str(cfg.get("model_type")) == "gpt_oss"  # vLLM models/gpt_oss.py: has_bias=True
+    shard = _ceil_div(inter, tp)
+    kernels, why = mxfp4_kernels(engine_version, compute_capability)
+    kernel = max(kernels, key=lambda k: k.layer_bytes(mlp.experts, hidden, shard, bias))
+    served = tp * layers * kernel.layer_bytes(mlp.experts, hidden, shard, bias)
+    stored = (
+        layers
+        * mlp.experts
+        * (3 * hidden * inter * 17 // 32 + ((2 * inter + hidden) * 2 if bias else 0))
+    )
+    label = vllm_rule(engine_version).label.split(" (")[0]
+    if len(kernels) > 1:
+        note = (
+            f"{why}: MXFP4 expert weights counted as the largest of the kernels"
+            f" {label} may pick, {kernel.name}, stores them"
+            f" ({kernel.describe(hidden, shard)}); name the GPU with --gpu for its own kernel"
+        )
+    else:
+        note = (
+            f"MXFP4 expert weights padded as {label}'s {kernel.name} kernel stores them"
+            f" ({why}): {kernel.describe(hidden, shard)}"
+        )
+    bias_parameters = layers * mlp.experts * (2 * inter + hidden) if bias else 0
+    return Mxfp4Experts(served, stored, bias_parameters, kernel, note, len(kernels) == 1)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return _ceil_div(value, multiple) * multiple
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
 
 
 def _quantized_widths(cfg: ConfigFields, dense: Fraction) -> tuple[Fraction, Fraction, str]:

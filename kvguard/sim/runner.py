@@ -35,7 +35,7 @@ class PoolSpec:
     kv_capacity_tokens: int | None = None
     model: str | None = None
     gpu_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None  # None: vLLM's current default
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_model_len: int = 4096
@@ -120,7 +120,8 @@ def size_pool(spec: PoolSpec) -> SizedPool:
             f" ({blocks} blocks, one reserved)",
         )
     dtype = spec.kv_cache_dtype
-    return SizedPool(config, CacheInfo(dtype, spec.gpu_memory_utilization, bytes_per_token), origin)
+    utilization = budget_inputs_from(spec).utilization  # vLLM's default where not given
+    return SizedPool(config, CacheInfo(dtype, utilization, bytes_per_token), origin)
 
 
 @dataclass

@@ -15,7 +15,10 @@ from kvguard.core.engine_rules import (
     V0_CHUNKED_FROM,
     batch_defaults,
     cuda_graph_bytes,
+    default_gpu_memory_utilization,
     non_torch_bytes,
+    sampler_bytes_per_logit,
+    sampler_kind,
     speculative_layers,
     vllm_rule,
 )
@@ -117,6 +120,25 @@ def test_tensor_parallel_buffers_grow_the_non_torch_memory():
     assert non_torch_bytes(old, 2) < non_torch_bytes(new, 2)
 
 
+@pytest.mark.parametrize(
+    ("version", "heavy", "says"),
+    [
+        ("0.11", True, "PyTorch sort"),
+        ("0.12", True, "PyTorch sort"),  # FlashInfer's sampler was off by default then
+        ("0.16", True, "PyTorch sort"),
+        ("0.17", False, "Triton"),
+        ("0.19", False, "Triton"),
+        ("0.21", False, "FlashInfer"),
+    ],
+)
+def test_the_profiled_sampler_follows_the_top_k_top_p_path_of_the_release(version, heavy, says):
+    """PyTorch's sort (before 0.17) holds about 38 bytes a logit; the in-place paths 14."""
+    rule = vllm_rule(version)
+    assert (sampler_bytes_per_logit(rule) >= 38) is heavy
+    assert 14 <= sampler_bytes_per_logit(rule) <= 39
+    assert says in sampler_kind(rule)
+
+
 def test_cuda_graphs_come_off_the_pool_only_from_021_and_not_eager():
     """Graphs captured after sizing (before 0.21) or never (eager) take nothing first."""
     assert cuda_graph_bytes(vllm_rule("0.19"), 32, moe=False, enforce_eager=False) == 0
@@ -197,3 +219,23 @@ def test_v0_max_context_past_its_chunked_prefill_is_found():
         at(V0_CHUNKED_FROM).worst_case_kv_bytes_per_gpu > at(V0_CHUNKED_FROM).kv_pool_bytes_per_gpu
     )
     assert at(longest + 16).worst_case_kv_bytes_per_gpu > at(longest + 16).kv_pool_bytes_per_gpu
+
+
+@pytest.mark.parametrize(("version", "expected"), [("0.11", 0.9), ("0.19", 0.9), ("0.20", 0.92)])
+def test_the_default_utilization_is_the_releases_own(version, expected):
+    """As vLLM's CacheConfig: 0.9 until 0.19, 0.92 from 0.20; the current rule takes 0.92."""
+    assert default_gpu_memory_utilization(vllm_rule(version)) == expected
+    assert default_gpu_memory_utilization(vllm_rule(None)) == 0.92
+    assert BudgetInputs(engine_version=version).utilization == expected
+    assert BudgetInputs(engine_version=version, gpu_memory_utilization=0.5).utilization == 0.5
+
+
+def test_a_sampler_the_log_names_wins_over_the_releases_default():
+    """An older release with FlashInfer installed profiled the light figure."""
+    rule = vllm_rule("0.10")
+    assert sampler_bytes_per_logit(rule) == 39
+    assert sampler_bytes_per_logit(rule, "flashinfer") < 20
+    assert sampler_bytes_per_logit(vllm_rule("0.32"), "pytorch") == 39
+    assert "(given)" in sampler_kind(rule, "flashinfer")
+    with pytest.raises(InvalidInputError, match="sampler"):
+        BudgetInputs(sampler="fast")

@@ -398,3 +398,15 @@ def test_a_config_only_excerpt_is_refused(name: str):
     """Real vLLM lines, but none about memory: still refused."""
     with pytest.raises(InvalidInputError):
         parse(name)
+
+
+def test_the_top_k_top_p_path_the_engine_took():
+    """Whether vLLM 0.10 samples with FlashInfer or falls back to PyTorch's sort is read.
+
+    The path sizes the profile run's sampler (about 14 against 38 bytes a logit), so
+    a prediction from the log follows it. A log that says neither leaves it unknown.
+    """
+    assert parse("v1_flashinfer_sampler_a100.log").sampler == "flashinfer"
+    # Two workers over Ray; the file is wrapped at 130 columns, so their warnings too.
+    assert parse("v1_pytorch_sampler_ray_tp2.log").sampler == "pytorch"
+    assert parse("v1_available_kv_cache.log").sampler is None

@@ -152,8 +152,7 @@ async def test_pool_from_the_budget_matches_kvguard_budget(sim_engine):
     for dtype in ("auto", "fp8"):
         inputs = BudgetInputs(
             max_model_len=4096,
-            gpu_memory_bytes=24 * GiB,
-            gpu_memory_utilization=0.9,
+            gpu_memory_bytes=24 * GiB,  # utilization: vLLM's default, as the sim's
             max_num_batched_tokens=2048,
             max_num_seqs=64,
             kv_cache_dtype=dtype,
