@@ -429,6 +429,29 @@ def overrun_cancels(
     return cancels
 
 
+def pool_lasts(
+    used: int,
+    growth: float,
+    pool: int | None,
+    footprints: Sequence[int],
+    running: int,
+    *,
+    cancels: int,
+) -> bool:
+    """Whether the pool lasts until kvguard can act again once the first ``cancels`` go.
+
+    The same reckoning as :func:`overrun_cancels`: False where even cutting every
+    candidate would not be enough (what fills the pool is not theirs).
+    """
+    if pool is None:
+        return True
+    share = growth / running if running > 0 else 0.0
+    for footprint in footprints[:cancels]:
+        used -= footprint
+        growth = max(growth - share, 0.0)
+    return used + growth <= pool
+
+
 # Intervals the steps ahead are cut into for the spread bound: finer costs more per
 # check (it is computed only when the cheaper bounds refuse), coarser counts more
 # growth within each interval than there is.

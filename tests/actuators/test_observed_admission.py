@@ -394,6 +394,21 @@ def test_a_critical_answer_goes_only_when_nothing_else_would_keep_the_engine_ali
     assert standard.cancelled
     assert not any(r.cancelled for r in critical)
 
+    # Where even cutting every answer would not make the pool last (the engine holds
+    # far more than kvguard's requests: traffic that bypasses it), no critical one goes.
+    mitigations = Mitigations(pool_tokens=8000, block_size=16)
+    proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:9"), mitigations)
+    critical = [_streaming(f"c{i}", "critical", prompt=500, written=100) for i in range(2)]
+    for tracked in critical:
+        proxy.inflight.add(tracked)
+    mitigations.engine_used_tokens = 9000
+    assert proxy.review_reservations(0.0, 1.0) == 0
+    for tracked in critical:
+        tracked.generated += 100
+    mitigations.engine_used_tokens = 9500
+    assert proxy.review_reservations(0.5, 1.0) == 0
+    assert not any(r.cancelled for r in critical)
+
 
 def test_answers_that_do_not_stream_are_cancelled_when_the_engine_holds_more_than_reserved():
     """Whole answers admitted at a short learned length grow unseen: the engine's count shows it.

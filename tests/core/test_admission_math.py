@@ -27,6 +27,7 @@ from kvguard.core.admission import (
     may_hold,
     needs_exact_count,
     overrun_cancels,
+    pool_lasts,
     pooled_reservation,
     spread_terms,
     step_grid,
@@ -210,6 +211,9 @@ def test_overrun_cancels_the_fewest_that_make_the_pool_last(used, growth, pool, 
 
     assert n == len(footprints) or lasts(n)
     assert n == 0 or not lasts(n - 1)
+    # pool_lasts is the same reckoning, for any number cut.
+    for k in {0, n, len(footprints)}:
+        assert pool_lasts(used, growth, pool, footprints, running, cancels=k) == lasts(k)
 
 
 def test_answers_reserved_together_need_a_margin_that_grows_as_the_square_root():

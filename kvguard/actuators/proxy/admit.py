@@ -453,7 +453,8 @@ class Admission:
         newest (the least work lost); then, if that is not enough, the others that
         hold the pool, lowest class first and within a class the largest (the fewest
         clients cut). A critical answer only when cutting every other one would not
-        be enough: the engine would fail, and lose every critical answer in flight.
+        be enough and cutting critical ones too would: the engine would fail, and
+        lose every critical answer in flight.
         Only while admission is enforced (not in dry-run), and only for an engine that
         fails when its pool runs out (``Mitigations.kv_exhaustion``): one that
         preempts resumes the answer later.
@@ -491,21 +492,35 @@ class Admission:
         held = self._holdings(requests, used)
         order = {id(r): i for i, r in enumerate(requests)}
         cancellable = [r for r in requests if not r.cancelled and r.cancel is not None]
-        candidates: list[InflightRequest] = []
-        # Critical answers last: only where cutting every other one would not keep the
-        # engine alive — an engine that dies loses every critical answer in flight.
-        for critical in (False, True):
+
+        def in_order(critical: bool) -> list[InflightRequest]:
             ours = [r for r in cancellable if (r.priority == "critical") is critical]
-            candidates += sorted(
+            past = sorted(
                 (r for r in ours if r.outran), key=lambda r: (rank(r.priority), -order[id(r)])
             )
             # Within their reservations but holding the pool: the set ran past its quantile.
-            candidates += sorted(
+            holding = sorted(
                 (r for r in ours if not r.outran and held[id(r)] > 0),
                 key=lambda r: (rank(r.priority), -held[id(r)], -order[id(r)]),
             )
-        footprints = [rules.whole_blocks(held[id(r)], block) for r in candidates]
-        return candidates[: rules.overrun_cancels(used, growth, pool, footprints, writing)]
+            return past + holding
+
+        others = in_order(critical=False)
+        plan = others
+        if any(r.priority == "critical" for r in cancellable):
+            # Critical answers last, and only where cutting every other one would not
+            # keep the engine alive but cutting some of them too would: an engine that
+            # dies loses every critical answer in flight.
+            sizes = [rules.whole_blocks(held[id(r)], block) for r in others]
+            n = rules.overrun_cancels(used, growth, pool, sizes, writing)
+            if not rules.pool_lasts(used, growth, pool, sizes, writing, cancels=n):
+                everyone = others + in_order(critical=True)
+                sizes = [rules.whole_blocks(held[id(r)], block) for r in everyone]
+                m = rules.overrun_cancels(used, growth, pool, sizes, writing)
+                if rules.pool_lasts(used, growth, pool, sizes, writing, cancels=m):
+                    plan = everyone
+        footprints = [rules.whole_blocks(held[id(r)], block) for r in plan]
+        return plan[: rules.overrun_cancels(used, growth, pool, footprints, writing)]
 
     def _holdings(self, requests: list[InflightRequest], used: int) -> dict[int, int]:
         """What each request in flight holds in the engine now (by ``id``), as best known.
