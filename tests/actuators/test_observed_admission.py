@@ -350,6 +350,29 @@ def test_when_the_set_runs_past_its_quantile_the_largest_holding_the_pool_goes()
     assert proxy.counters.cancelled["overrun"] == 1
 
 
+def _guarded(*requests: InflightRequest) -> tuple[AdmissionProxy, Mitigations]:
+    """A proxy before an 8,000-token pool with ``requests`` in flight."""
+    mitigations = Mitigations(pool_tokens=8000, block_size=16)
+    proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:9"), mitigations)
+    for tracked in requests:
+        proxy.inflight.add(tracked)
+    return proxy, mitigations
+
+
+def _readings(
+    proxy: AdmissionProxy, mitigations: Mitigations, *steps: tuple[int, int]
+) -> list[int]:
+    """Ticks 0.5 s apart: each (engine's count, tokens each answer wrote since); cancels."""
+    cancels = []
+    for index, (used, wrote) in enumerate(steps):
+        for tracked in proxy.inflight:
+            if not tracked.cancelled:
+                tracked.generated += wrote
+        mitigations.engine_used_tokens = used
+        cancels.append(proxy.review_reservations(index * 0.5, 1.0))
+    return cancels
+
+
 def test_a_critical_answer_goes_only_when_nothing_else_would_keep_the_engine_alive():
     """All in flight critical and the pool about to run out: the largest critical answer goes.
 
@@ -357,56 +380,27 @@ def test_a_critical_answer_goes_only_when_nothing_else_would_keep_the_engine_ali
     too: cutting one keeps the others. Beside a standard answer large enough to free
     the room, that one goes and no critical answer does.
     """
-    mitigations = Mitigations(pool_tokens=8000, block_size=16)
-    proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:9"), mitigations)
     small = _streaming("small", "critical", prompt=1000, written=500)
     large = _streaming("large", "critical", prompt=2000, written=300)
     other = _streaming("other", "critical", prompt=2000, written=800)
-    for tracked in (small, large, other):
-        proxy.inflight.add(tracked)
-    clock = iter(range(100))
-
-    def tick(used: int, wrote: int) -> int:
-        for tracked in (small, large, other):
-            if not tracked.cancelled:
-                tracked.generated += wrote
-        mitigations.engine_used_tokens = used
-        return proxy.review_reservations(next(clock) * 0.5, 1.0)
-
-    assert tick(6600, 0) == 0
-    assert tick(7400, 100) == 0  # it lasts two readings: nothing is cut
-    assert tick(7500, 100) == 1  # it would not: the critical answer holding most goes
+    proxy, mitigations = _guarded(small, large, other)
+    # 7,400 + 2 x 300 lasts two readings: nothing is cut; at 7,500 it would not.
+    assert _readings(proxy, mitigations, (6600, 0), (7400, 100), (7500, 100)) == [0, 0, 1]
     assert [r.request_id for r in (small, large, other) if r.cancelled] == ["other"]
 
     # With a standard answer that frees enough, it goes instead.
-    mitigations = Mitigations(pool_tokens=8000, block_size=16)
-    proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:9"), mitigations)
     standard = _streaming("standard", "standard", prompt=1000, written=500)
     critical = [_streaming(f"c{i}", "critical", prompt=2000, written=800) for i in range(2)]
-    for tracked in (standard, *critical):
-        proxy.inflight.add(tracked)
-    mitigations.engine_used_tokens = 6600
-    assert proxy.review_reservations(0.0, 1.0) == 0
-    for tracked in (standard, *critical):
-        tracked.generated += 100
-    mitigations.engine_used_tokens = 7500
-    assert proxy.review_reservations(0.5, 1.0) == 1
+    proxy, mitigations = _guarded(standard, *critical)
+    assert _readings(proxy, mitigations, (6600, 0), (7500, 100)) == [0, 1]
     assert standard.cancelled
     assert not any(r.cancelled for r in critical)
 
     # Where even cutting every answer would not make the pool last (the engine holds
     # far more than kvguard's requests: traffic that bypasses it), no critical one goes.
-    mitigations = Mitigations(pool_tokens=8000, block_size=16)
-    proxy = AdmissionProxy(ProxySettings(upstream="http://127.0.0.1:9"), mitigations)
     critical = [_streaming(f"c{i}", "critical", prompt=500, written=100) for i in range(2)]
-    for tracked in critical:
-        proxy.inflight.add(tracked)
-    mitigations.engine_used_tokens = 9000
-    assert proxy.review_reservations(0.0, 1.0) == 0
-    for tracked in critical:
-        tracked.generated += 100
-    mitigations.engine_used_tokens = 9500
-    assert proxy.review_reservations(0.5, 1.0) == 0
+    proxy, mitigations = _guarded(*critical)
+    assert _readings(proxy, mitigations, (9000, 0), (9500, 100)) == [0, 0]
     assert not any(r.cancelled for r in critical)
 
 
