@@ -396,6 +396,21 @@ def test_a_critical_answer_goes_only_when_nothing_else_would_keep_the_engine_ali
     assert standard.cancelled
     assert not any(r.cancelled for r in critical)
 
+    # Where the answers in flight end at their caps before the pool runs out (the
+    # growth ahead read as linear says it would not last), no critical one is cut.
+    ending = []
+    for name, prompt, written, cap in (("a", 2000, 900, 1050), ("b", 1800, 900, 1100)):
+        tracked = _streaming(name, "critical", prompt=prompt, written=written)
+        tracked.output_ceiling = tracked.max_tokens = cap
+        ending.append(tracked)
+    longer = _streaming("c", "critical", prompt=1300, written=400)
+    longer.output_ceiling = longer.max_tokens = 1000
+    proxy, mitigations = _guarded(*ending, longer)
+    # 7,600 held and 300 written a reading: 8,200 within two readings, past the pool;
+    # but a and b end within 50 and 100 steps, and at most 7,800 is ever held.
+    assert _readings(proxy, mitigations, (7300, 0), (7600, 100)) == [0, 0]
+    assert not any(r.cancelled for r in (*ending, longer))
+
     # Where even cutting every answer would not make the pool last (the engine holds
     # far more than kvguard's requests: traffic that bypasses it), no critical one goes.
     critical = [_streaming(f"c{i}", "critical", prompt=500, written=100) for i in range(2)]

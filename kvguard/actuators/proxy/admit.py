@@ -453,8 +453,9 @@ class Admission:
         newest (the least work lost); then, if that is not enough, the others that
         hold the pool, lowest class first and within a class the largest (the fewest
         clients cut). A critical answer only when cutting every other one would not
-        be enough and cutting critical ones too would: the engine would fail, and
-        lose every critical answer in flight.
+        be enough and cutting critical ones too would, and the answers in flight run
+        to their caps would not end within the pool (:meth:`_peak_at_ceilings`): the
+        engine would fail, and lose every critical answer in flight.
         Only while admission is enforced (not in dry-run), and only for an engine that
         fails when its pool runs out (``Mitigations.kv_exhaustion``): one that
         preempts resumes the answer later.
@@ -513,7 +514,13 @@ class Admission:
             # dies loses every critical answer in flight.
             sizes = [rules.whole_blocks(held[id(r)], block) for r in others]
             n = rules.overrun_cancels(used, growth, pool, sizes, writing)
-            if not rules.pool_lasts(used, growth, pool, sizes, writing, cancels=n):
+            peak = self._peak_at_ceilings(requests, held, used)
+            # The growth ahead is read as linear; answers that end at their caps meanwhile
+            # free all they hold. Where every answer in flight would end within the pool
+            # (their peak step by step, each written to its cap), no critical one is cut.
+            if not rules.pool_lasts(used, growth, pool, sizes, writing, cancels=n) and (
+                peak is None or peak > pool
+            ):
                 everyone = others + in_order(critical=True)
                 sizes = [rules.whole_blocks(held[id(r)], block) for r in everyone]
                 m = rules.overrun_cancels(used, growth, pool, sizes, writing)
@@ -521,6 +528,30 @@ class Admission:
                     plan = everyone
         footprints = [rules.whole_blocks(held[id(r)], block) for r in plan]
         return plan[: rules.overrun_cancels(used, growth, pool, footprints, writing)]
+
+    def _peak_at_ceilings(
+        self, requests: list[InflightRequest], held: dict[int, int], used: int
+    ) -> int | None:
+        """The most the pool will hold if every answer in flight runs to its cap; None: uncapped.
+
+        Each holds what it holds now (``held``, from :meth:`_holdings`) and writes a
+        token per sequence per step until it reaches its cap (``max_tokens``, else the
+        room its context leaves), then frees all it holds; what the engine holds
+        beyond them stays. The peak step by step (:class:`~kvguard.core.admission.Envelope`).
+        """
+        block = self.mitigations.block_size
+        growths = []
+        for tracked in requests:
+            cap = tracked.output_ceiling
+            if cap is None:
+                cap = tracked.max_tokens
+            if cap is None:
+                return None
+            final = rules.whole_blocks(tracked.prompt_tokens + max(cap, tracked.generated), block)
+            holds = held[id(tracked)]
+            growths.append(rules.growth(holds, max(final, holds), tracked.sequences, block))
+        beyond = max(used - sum(held.values()), 0)
+        return rules.Envelope(growths).peak + beyond
 
     def _holdings(self, requests: list[InflightRequest], used: int) -> dict[int, int]:
         """What each request in flight holds in the engine now (by ``id``), as best known.
