@@ -332,7 +332,7 @@ async def test_probe_command_prints_the_normalized_engine(sim_engine):
 
 
 async def test_probe_says_when_llamacpps_layout_is_assumed(sim_engine, tmp_path):
-    """llama.cpp undeclared: the table shows kv_layout "split (assumed)" and how to set it."""
+    """llama.cpp undeclared: the table shows kv_layout "unified (assumed)" and how to set it."""
     url = await sim_engine(
         flavor="llamacpp", kv_capacity_tokens=4096, max_model_len=1000, max_num_seqs=4
     )
@@ -347,8 +347,8 @@ async def test_probe_says_when_llamacpps_layout_is_assumed(sim_engine, tmp_path)
         assert proc.returncode == 0
         outputs.append(out.decode())
     assumed, declared = outputs
-    assert re.search(r"kv_layout\s+split \(assumed\)", assumed)
-    assert "set [engine] kv_unified = true" in assumed
+    assert re.search(r"kv_layout\s+unified \(assumed\)", assumed)
+    assert "set [engine] kv_unified = false" in assumed
     assert re.search(r"kv_layout\s+unified\n", declared)
     assert "note:" not in declared
 

@@ -219,7 +219,9 @@ class Actuators:
         if kind == "evict" and self.admin is not None and self.admin.supports("evict"):
             return self._start("evict", self._evict())
         if kind in ("kv_fp8", "revert_kv_fp8") and self.reconfigurer is not None:
-            if self.reconfigurer.busy or not supports_fp8(self.kind):
+            # What unavailable() says the ladder cannot do is not done when asked anyway
+            # (SGLang without the proxy: a drain through its pause could not end).
+            if self.reconfigurer.busy or self._why_no_switch() is not None:
                 return False
             return self._start(kind, self._switch(fp8=kind == "kv_fp8"))
         if kind == "shed" and self._pause_sheds() and action.priority == "standard":

@@ -13,7 +13,13 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from kvguard.api.logs import configure_logging
-from kvguard.config.settings import CONFIG_ENV, Config, config_for_engine, load_config
+from kvguard.config.settings import (
+    CONFIG_ENV,
+    Config,
+    EngineConfig,
+    config_for_engine,
+    load_config,
+)
 from kvguard.core.snapshot import ENGINE_KINDS, EngineStats
 from kvguard.core.units import format_bytes
 from kvguard.errors import ConfigError, InvalidInputError, KvguardError
@@ -105,6 +111,20 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     probe.add_argument(
         "--engine-kind", default=None, choices=("auto", *ENGINE_KINDS), help="default: auto"
     )
+    probe.add_argument(
+        "--metrics-url",
+        metavar="URL",
+        help="the base URL the engine's metrics are read from, when not the engine's URL"
+        " ([engine] metrics_url; Triton: its metrics port, 8002). Unset, a TensorRT-LLM"
+        " engine URL on Triton's port 8000 is read at 8002 on the same host",
+    )
+    probe.add_argument(
+        "--health-url",
+        metavar="URL",
+        help="the base URL the engine's health is asked at, when not the engine's URL"
+        " ([engine] health_url). Unset, a TensorRT-LLM engine URL on Triton's port 8002"
+        " asks health at 8000 on the same host",
+    )
     probe.add_argument("--json", action="store_true", help="print one JSON object")
     probe.set_defaults(handler=run_probe)
 
@@ -180,6 +200,18 @@ def _config(args: argparse.Namespace) -> Config:
     exists and --engine-url is not given; a broken default is :class:`DefaultConfigError`.
     """
     url = None if args.engine_url is None else normalize_url(args.engine_url, "--engine-url")
+    # Where metrics and health are read when not at the engine's URL ([engine]
+    # metrics_url, health_url), checked as --engine-url is: set on top of the config's.
+    metrics_url = args.metrics_url and normalize_url(args.metrics_url, "--metrics-url")
+    health_url = args.health_url and normalize_url(args.health_url, "--health-url")
+
+    def beside(engine: EngineConfig) -> EngineConfig:
+        return replace(
+            engine,
+            metrics_url=metrics_url or engine.metrics_url,
+            health_url=health_url or engine.health_url,
+        )
+
     # --engine-url alone probes that engine with default settings, as it always did;
     # the default file stands in only when nothing on the command line says what.
     path, default = config_path(args.config, use_default=url is None)
@@ -190,14 +222,15 @@ def _config(args: argparse.Namespace) -> Config:
                 None,
                 f"needed without --config (or ${CONFIG_ENV}, or {DEFAULT_CONFIG_PATH})",
             )
-        return config_for_engine(url, args.engine_kind or "auto")
+        config = config_for_engine(url, args.engine_kind or "auto")
+        return replace(config, engine=beside(config.engine))
     config = read_chosen(path, default, load_config)
     engine = config.engine
     if url is not None:
         engine = replace(engine, url=config_for_engine(url).engine.url)  # checked as --config's
     if args.engine_kind is not None:
         engine = replace(engine, kind=args.engine_kind)
-    return replace(config, engine=engine)
+    return replace(config, engine=beside(engine))
 
 
 def probe_document(daemon: Daemon) -> dict[str, Any]:
@@ -224,25 +257,25 @@ def probe_document(daemon: Daemon) -> dict[str, Any]:
     }
 
 
-def kv_layout(daemon: Daemon) -> str:
-    """llama.cpp's cache layout as kvguard reads it: "unified", "split" or "split (assumed)".
+def kv_layout(daemon: Daemon) -> str | None:
+    """llama.cpp's cache layout as kvguard reads it (:attr:`EngineProbe.kv_layout`).
 
-    Nothing llama-server reports says which; "assumed" is the reading when neither
-    ``[engine] kv_unified`` nor a supervised command says it.
+    "unified" or "split" (declared, or from a supervised command); "unified (assumed)"
+    when nothing says it (llama-server reports neither), "split (inferred)" once its
+    slots have held more than a unified cache could.
     """
     probe = daemon.probes.engine
-    unified = probe.kv_unified if isinstance(probe, EngineProbe) else None
-    if unified is None:
-        return "split (assumed)"
-    return "unified" if unified else "split"
+    return probe.kv_layout if isinstance(probe, EngineProbe) else None
 
 
-# Said under the table when llama.cpp's layout is assumed: the default launch is the
-# other one, and then every capacity figure is several times too large.
+# Said under the table when llama.cpp's layout is assumed: the default launch is
+# unified, and a server started with -np N (split) reads N times too small until its
+# slots show it.
 ASSUMED_LAYOUT_HINT = (
-    "  note: llama.cpp's cache layout is not declared; read as split (the slots' n_ctx"
-    " added). llama-server's default -np (auto) shares one cache across its slots:"
-    " then set [engine] kv_unified = true, or capacity reads about 4x too large."
+    "  note: llama.cpp's cache layout is not declared; read as unified (one slot's n_ctx"
+    " is the cache: llama-server's default -np). Started with -np N (split), set"
+    " [engine] kv_unified = false, or capacity reads N times too small until the slots"
+    " are seen holding more than one slot's n_ctx."
 )
 
 
@@ -260,7 +293,7 @@ def render_probe(doc: dict[str, Any]) -> str:
     ]
     if engine.get("kv_layout") is not None:
         lines.append(f"  {'kv_layout':<26} {engine['kv_layout']}")
-        if engine["kv_layout"] == "split (assumed)":
+        if engine["kv_layout"] == "unified (assumed)":
             lines.append(ASSUMED_LAYOUT_HINT)
     lines += [gpu_line(gpu) for gpu in doc["gpus"] or []]
     host = doc["host"]

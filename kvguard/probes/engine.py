@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import aiohttp
+import structlog
 from yarl import URL
 
 from kvguard.core.snapshot import EngineAction, EngineKind, EngineStats
@@ -29,10 +30,11 @@ from kvguard.errors import InvalidInputError, ProbeError
 from kvguard.http_client import client_session, describe_client_error
 from kvguard.probes.engines import ADAPTERS, EngineAdapter, EngineScrape
 from kvguard.probes.engines.base import KIND_PREFIXES, PROBE_NAME, detect_kind, health_path_for
-from kvguard.probes.engines.llamacpp import LlamacppAdapter
+from kvguard.probes.engines.llamacpp import LlamacppAdapter, shows_split
 from kvguard.probes.engines.wanted import FamilyCache
 
 T = TypeVar("T")
+log = structlog.get_logger("kvguard.probes.engine")
 
 MiB = 1024 * 1024
 # Real expositions are tens to hundreds of KB; far more means a wrong endpoint or a runaway one.
@@ -69,6 +71,29 @@ MAX_CONTEXT_TOKENS = 1 << 24  # past 16M tokens a figure is garbage, not a conte
 # Triton Inference Server's default ports (tritonserver --http-port, --metrics-port).
 TRITON_HTTP_PORT = 8000
 TRITON_METRICS_PORT = 8002
+
+
+def engine_bases(
+    url: str, metrics_url: str | None, health_url: str | None, *, triton: bool
+) -> tuple[str, str]:
+    """Where an engine's metrics and its health are read: the two base URLs.
+
+    As set (``[engine] metrics_url``, ``health_url``; a trailing ``/`` dropped), else
+    ``url``. For TensorRT-LLM (``triton``: ``kind = "trtllm"``, or detected so) a
+    ``url`` on one of Triton's default ports finds the other beside it, unless set:
+    on the HTTP port (8000: health, inference) the metrics are read at 8002, on the
+    metrics port (8002) health is asked at 8000.
+    """
+    base = url.rstrip("/")
+    metrics = metrics_url.rstrip("/") if metrics_url else base
+    health = health_url.rstrip("/") if health_url else base
+    if triton:
+        parts = URL(base)
+        if metrics_url is None and parts.port == TRITON_HTTP_PORT:
+            metrics = str(parts.with_port(TRITON_METRICS_PORT)).rstrip("/")
+        if health_url is None and parts.port == TRITON_METRICS_PORT:
+            health = str(parts.with_port(TRITON_HTTP_PORT)).rstrip("/")
+    return metrics, health
 
 
 class EngineProbe:
@@ -118,15 +143,11 @@ class EngineProbe:
         self._base = str(base).rstrip("/")
         # Triton serves its metrics and its health on different ports ([engine]
         # metrics_url, health_url); every other engine serves both beside its API.
-        self._metrics_base = metrics_url.rstrip("/") if metrics_url else self._base
-        self._health_base = health_url.rstrip("/") if health_url else self._base
-        if kind == "trtllm":
-            # Triton's default ports: HTTP (health, inference) 8000, metrics 8002. A
-            # TensorRT-LLM url on one of them finds the other beside it, unless set.
-            if metrics_url is None and base.port == TRITON_HTTP_PORT:
-                self._metrics_base = str(base.with_port(TRITON_METRICS_PORT)).rstrip("/")
-            if health_url is None and base.port == TRITON_METRICS_PORT:
-                self._health_base = str(base.with_port(TRITON_HTTP_PORT)).rstrip("/")
+        # With kind "auto" the pairing waits for the kind (_detect).
+        self._metrics_url, self._health_url = metrics_url, health_url
+        self._metrics_base, self._health_base = engine_bases(
+            self._base, metrics_url, health_url, triton=kind == "trtllm"
+        )
         self._kind: EngineKind | None = None if kind == "auto" else kind
         self._metrics_path = metrics_path
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -134,10 +155,12 @@ class EngineProbe:
         self._session = session
         self._owns_session = session is None
         self._max_body_bytes = max_body_bytes
-        # llama.cpp's cache layout as the operator declared it ([engine] kv_unified).
+        # llama.cpp's cache layout as the operator declared it ([engine] kv_unified, or
+        # the supervised command); None: assumed unified until the slots show a split.
         self._adapters: dict[EngineKind, EngineAdapter] = dict(ADAPTERS)
-        if kv_unified is not None:
-            self._adapters["llamacpp"] = LlamacppAdapter(kv_unified=kv_unified)
+        self._adapters["llamacpp"] = LlamacppAdapter(kv_unified=kv_unified)
+        self._layout_declared = kv_unified is not None
+        self._layout_said = False  # engine_layout_assumed logged (once per probe)
         # Set while a large exposition is parsed in a thread. A parse that outlives the
         # daemon's timeout keeps running (threads cannot be cancelled); scraping and
         # queueing another behind it every tick would pile up threads and copies of
@@ -176,9 +199,34 @@ class EngineProbe:
 
     @property
     def kv_unified(self) -> bool | None:
-        """llama.cpp's cache layout as kvguard reads it: declared or from the command, else None."""
+        """llama.cpp's cache layout as kvguard reads it: True unified, False split.
+
+        Declared (``[engine] kv_unified``) or from the supervised command; else assumed
+        unified, llama-server's default launch, until the slots show a split cache
+        (:func:`~kvguard.probes.engines.llamacpp.shows_split`), then split from then on.
+        :attr:`kv_layout` says which of these it is. None once the engine is known to
+        be another kind than llama.cpp.
+        """
+        if self._kind is not None and self._kind != "llamacpp":
+            return None
         adapter = self._adapters["llamacpp"]
-        return adapter.kv_unified if isinstance(adapter, LlamacppAdapter) else None
+        return not isinstance(adapter, LlamacppAdapter) or adapter.kv_unified is not False
+
+    @property
+    def kv_layout(self) -> str | None:
+        """llama.cpp's cache layout in words, as ``kvguard probe`` reports it.
+
+        "unified" or "split" when declared or read from the supervised command;
+        "unified (assumed)" when nothing says it; "split (inferred)" once the slots
+        have held more tokens together than a unified cache could. None for another
+        kind of engine.
+        """
+        unified = self.kv_unified
+        if unified is None:
+            return None
+        if self._layout_declared:
+            return "unified" if unified else "split"
+        return "unified (assumed)" if unified else "split (inferred)"
 
     @property
     def actions(self) -> frozenset[EngineAction]:
@@ -226,15 +274,7 @@ class EngineProbe:
             )
         session = self._client()
         if self._kind is None:
-            text = await self._metrics(session)
-            kind = await self._off_loop(len(text), lambda: detect_kind(text))
-            if kind is None:
-                prefixes = ", ".join(prefix for _, prefix in KIND_PREFIXES)
-                raise ProbeError(
-                    PROBE_NAME,
-                    f"no known engine metrics at {self._metrics_base}{self._metrics_path}"
-                    f" (looked for names starting {prefixes}); set the engine kind",
-                )
+            text, kind = await self._detect(session)
             self._kind = kind
             adapter = self._adapters[kind]
             asked = health_path_for(adapter, text)
@@ -274,11 +314,108 @@ class EngineProbe:
             families=self._families,
         )
         stats = await self._off_loop(len(text), lambda: adapter.parse(scrape))
+        if self._kind == "llamacpp" and not self._layout_declared:
+            self._follow_layout(scrape, stats)
         if self._kind in CONTEXT_KINDS and healthy:
             await self._refresh_context(session)
             stats = replace(stats, context_tokens=self._context)
         self._last = stats
         return stats
+
+    async def _detect(self, session: aiohttp.ClientSession) -> tuple[str, EngineKind]:
+        """The first metrics body and the kind it says (``kind = "auto"``).
+
+        TensorRT-LLM behind Triton takes the pairing of its default ports that
+        ``kind = "trtllm"`` takes (:func:`engine_bases`): a url on the HTTP port (8000),
+        where Triton has no metrics, is read at 8002 when a TensorRT-LLM exposition
+        answers there; a url on the metrics port asks health at 8000.
+        """
+        try:
+            text = await self._metrics(session)
+            kind = await self._off_loop(len(text), lambda: detect_kind(text))
+        except ProbeError as exc:
+            error: ProbeError | None = exc
+            text, kind = "", None
+        else:
+            error = None
+        if kind is None:
+            paired = await self._triton_metrics(session)
+            if paired is not None:
+                return paired, "trtllm"
+        if error is not None:
+            raise error
+        if kind is None:
+            prefixes = ", ".join(prefix for _, prefix in KIND_PREFIXES)
+            raise ProbeError(
+                PROBE_NAME,
+                f"no known engine metrics at {self._metrics_base}{self._metrics_path}"
+                f" (looked for names starting {prefixes}); set the engine kind",
+            )
+        if kind == "trtllm":
+            # Read where they answered; a url on Triton's metrics port asks health at 8000.
+            _, self._health_base = engine_bases(
+                self._base, self._metrics_base, self._health_url, triton=True
+            )
+        return text, kind
+
+    async def _triton_metrics(self, session: aiohttp.ClientSession) -> str | None:
+        """TensorRT-LLM's exposition at Triton's metrics port beside the url, if it answers.
+
+        Only when the url is on Triton's HTTP port (8000) and no metrics_url is set;
+        None otherwise, or when what answers there is not TensorRT-LLM's. On success
+        the probe reads its metrics (and health) as ``kind = "trtllm"`` would.
+        """
+        metrics, health = engine_bases(self._base, self._metrics_url, self._health_url, triton=True)
+        if metrics == self._metrics_base:
+            return None
+        try:
+            status, body = await self._get(session, self._metrics_path, _ACCEPT_METRICS, metrics)
+        except _UnavailableError:
+            return None
+        if status != 200:
+            return None
+        text = body.decode("utf-8", errors="replace")
+        try:
+            kind = await self._off_loop(len(text), lambda: detect_kind(text))
+        except ProbeError:
+            return None
+        if kind != "trtllm":
+            return None
+        self._metrics_base, self._health_base = metrics, health
+        return text
+
+    def _follow_layout(self, scrape: EngineScrape, stats: EngineStats) -> None:
+        """llama.cpp, layout undeclared: say once that it is assumed; keep a split once shown.
+
+        The adapter read this scrape as split already if its slots showed it; from
+        then on every scrape is (an idle split cache shows nothing), and it is logged
+        once (``engine_layout_inferred``).
+        """
+        if not self._layout_said:
+            self._layout_said = True
+            log.warning(
+                "engine_layout_assumed",
+                engine="llamacpp",
+                read_as="unified",
+                kv_capacity_tokens=stats.kv_capacity_tokens,
+                hint="llama-server does not say how its slots hold the cache; read as"
+                " unified, its default -np (auto). Started with -np N (split), set [engine]"
+                " kv_unified = false (or run it under kvguard, which reads its command"
+                " line): until its slots are seen holding more than one slot's n_ctx,"
+                " capacity reads N times too small",
+            )
+        if self.kv_unified and shows_split(scrape.slots):
+            self._adapters["llamacpp"] = LlamacppAdapter(kv_unified=False)
+            log.warning(
+                "engine_layout_inferred",
+                engine="llamacpp",
+                read_as="split",
+                kv_capacity_tokens=stats.kv_capacity_tokens,  # this scrape's, read as split
+                kv_used_tokens=stats.kv_used_tokens,
+                reason="the busy slots hold more tokens together than one slot's n_ctx,"
+                " which a unified cache could not",
+                hint="set [engine] kv_unified = false to read it so from the start",
+            )
 
     async def _refresh_context(self, session: aiohttp.ClientSession) -> None:
         """Read the engine's ``max_model_len`` from ``/v1/models``, at most once a minute.

@@ -27,7 +27,6 @@ from kvguard.core import admission as admission_rules
 from kvguard.core.budget import BudgetReport
 from kvguard.core.snapshot import EngineStats, Snapshot
 from kvguard.errors import InvalidInputError, ProbeError
-from kvguard.probes.engine import EngineProbe
 from kvguard.probes.nvml import NvmlProbe
 from kvguard.runtime.budget_keeping import BudgetKeeping, budget_for
 from kvguard.runtime.decision import Brain, ControlOutcome
@@ -98,8 +97,6 @@ class Daemon(BudgetKeeping):
             raise InvalidInputError("loop_stall_s", loop_stall_s, "must be > 0 seconds")
         self.loop_stall_s = loop_stall_s
         self._overrunning = False
-        # The engine probe the assumed llama.cpp layout was reported for (once per probe).
-        self._layout_warned: object = None
         self.clock = clock
         self.wall_clock = wall_clock
         # Freed heap pages go back to the kernel once a minute (kvguard.runtime.heap: RSS
@@ -137,7 +134,6 @@ class Daemon(BudgetKeeping):
         """One tick: observe, keep the budget, decide and act, record; returns the snapshot."""
         started = self.clock()
         snapshot = await self._observe()
-        self._warn_assumed_layout(snapshot)
         self._keep_budget(snapshot)
         self._decide_and_act(snapshot)
         self._record(snapshot, started)
@@ -163,33 +159,6 @@ class Daemon(BudgetKeeping):
             host=trackers["host"].value if "host" in trackers else None,
             engine=self._engine_view(trackers["engine"]),
             sources={name: t.reading(now) for name, t in trackers.items()},
-        )
-
-    def _warn_assumed_layout(self, snapshot: Snapshot) -> None:
-        """Say once that llama.cpp's cache layout is assumed (split) where nothing declares it.
-
-        llama-server reports neither layout, and its default launch (``-np`` auto) is
-        the other one, where the assumed reading puts capacity about 4x too high.
-        """
-        engine = snapshot.engine
-        probe = self.probes.engine
-        if (
-            self._layout_warned is probe
-            or engine is None
-            or engine.kind != "llamacpp"
-            or not isinstance(probe, EngineProbe)
-            or probe.kv_unified is not None
-        ):
-            return
-        self._layout_warned = probe
-        log.warning(
-            "engine_layout_assumed",
-            engine="llamacpp",
-            read_as="split",
-            kv_capacity_tokens=engine.kv_capacity_tokens,
-            hint="llama-server's default -np (auto) shares one cache across its slots:"
-            " then set [engine] kv_unified = true (or run it under kvguard, which reads"
-            " its command line)",
         )
 
     def _keep_budget(self, snapshot: Snapshot) -> None:

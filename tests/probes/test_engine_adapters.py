@@ -19,7 +19,14 @@ import pytest
 
 from kvguard.core.snapshot import ENGINE_KINDS, EngineStats, HistogramSummary
 from kvguard.errors import ProbeError
-from kvguard.probes.engines import ADAPTERS, EngineScrape, Samples, detect_kind, parse_exposition
+from kvguard.probes.engines import (
+    ADAPTERS,
+    EngineScrape,
+    LlamacppAdapter,
+    Samples,
+    detect_kind,
+    parse_exposition,
+)
 from kvguard.probes.engines.base import keep_lines
 from kvguard.probes.engines.wanted import parse_wanted
 
@@ -143,8 +150,16 @@ def test_sglang_busy_capture_maps_every_field():
 
 
 def test_llamacpp_counts_kv_from_slots():
-    """The simulator's llama.cpp: capacity is the slots' n_ctx, use is prompt + decoded."""
-    stats = ADAPTERS["llamacpp"].parse(llamacpp_scrape())
+    """The simulator's llama.cpp: capacity is the slots' n_ctx, use is prompt + decoded.
+
+    Its slots split the cache (declared so). Undeclared it reads as one slot's 1,020
+    (unified, assumed): the simulator reports each prompt as taken from the cache
+    (``n_prompt_tokens_cache`` = ``n_prompt_tokens``), cells a unified cache could share,
+    so the 1,229 tokens in use do not show a split.
+    """
+    undeclared = ADAPTERS["llamacpp"].parse(llamacpp_scrape())
+    assert (undeclared.kv_capacity_tokens, undeclared.kv_used_tokens) == (1020, 1229)
+    stats = LlamacppAdapter(kv_unified=False).parse(llamacpp_scrape())
     assert stats == EngineStats(
         kind="llamacpp",
         up=True,
@@ -159,27 +174,32 @@ def test_llamacpp_counts_kv_from_slots():
 
 
 def test_llamacpp_without_slots_leaves_use_unknown():
-    """The simulator's llama.cpp without /slots: use unknown; capacity from /props."""
-    stats = ADAPTERS["llamacpp"].parse(llamacpp_scrape(slots=False))
+    """The simulator's llama.cpp without /slots: use unknown; capacity from /props.
+
+    Split (declared): total_slots x n_ctx; undeclared, nothing shows a split: one n_ctx.
+    """
+    stats = LlamacppAdapter(kv_unified=False).parse(llamacpp_scrape(slots=False))
     assert stats.kv_used_tokens is None
     assert stats.kv_cache_usage_ratio is None
     assert stats.kv_capacity_tokens == 4 * 1020  # total_slots x n_ctx from /props
     assert stats.requests_running == 4.0
+    assert ADAPTERS["llamacpp"].parse(llamacpp_scrape(slots=False)).kv_capacity_tokens == 1020
     bare = ADAPTERS["llamacpp"].parse(llamacpp_scrape(slots=False, props=False))
     assert (bare.kv_capacity_tokens, bare.kv_used_tokens) == (None, None)
 
 
 def test_llamacpp_tolerates_odd_slot_entries():
-    """Idle slots count capacity only; missing next_token counts as nothing decoded."""
+    """Idle slots count capacity only; missing next_token counts as nothing decoded (split)."""
     slots = [
         {"id": 0, "n_ctx": 512, "is_processing": True, "n_prompt_tokens": 100},
         {"id": 1, "n_ctx": 512, "is_processing": False, "n_prompt_tokens": 400},
         {"id": 2, "n_ctx": 512, "is_processing": True, "n_prompt_tokens": 10, "next_token": []},
     ]
-    stats = ADAPTERS["llamacpp"].parse(EngineScrape("", slots=slots))
+    split = LlamacppAdapter(kv_unified=False)
+    stats = split.parse(EngineScrape("", slots=slots))
     assert (stats.kv_capacity_tokens, stats.kv_used_tokens) == (1536, 110)
     broken = [{"id": 0, "n_ctx": "lots"}]
-    stats = ADAPTERS["llamacpp"].parse(EngineScrape("", slots=broken))
+    stats = split.parse(EngineScrape("", slots=broken))
     assert (stats.kv_capacity_tokens, stats.kv_used_tokens) == (None, None)
 
 
@@ -509,7 +529,7 @@ def test_llamacpp_garbage_slots_leave_capacity_unknown(n_ctx):
     assert stats.requests_running == 4.0
     props = json.loads(fixture("llamacpp-real-props.json"))
     props["total_slots"] = n_ctx
-    stats = ADAPTERS["llamacpp"].parse(
+    stats = LlamacppAdapter(kv_unified=False).parse(  # split: total_slots x n_ctx
         EngineScrape(fixture("llamacpp-real-busy-metrics.txt"), props=props)
     )
     assert stats.kv_capacity_tokens is None

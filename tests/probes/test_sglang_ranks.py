@@ -83,3 +83,25 @@ def test_priority_breakdown_is_not_counted_twice():
     assert stats.kv_capacity_tokens == 100_000
     assert stats.kv_used_tokens == 40_000
     assert stats.kv_cache_usage_ratio == pytest.approx(0.4)
+
+
+def test_pipeline_stages_with_priorities_read_one_pool_and_each_request_once():
+    """TP=2 x PP=2 with priority scheduling: one pool, and each request counted once.
+
+    Four capacity series (priority=""), the stats of two stages for the same requests,
+    and on each stage the request gauges three times over: the total (priority="") and
+    per priority (0, 10). Read: 200,000 tokens, the fuller stage's 150,000 in use (0.75),
+    20 running and 5 queued, not 2 x 2 x that.
+    """
+    stats = parse("sglang-0.5.23-tp2-pp2-priority.txt")
+    assert stats.kv_capacity_tokens == 200_000
+    assert stats.kv_capacity_blocks == 200_000  # page_size 1
+    assert stats.kv_used_tokens == 150_000
+    assert stats.kv_cache_usage_ratio == pytest.approx(0.75)
+    assert (stats.requests_running, stats.requests_waiting) == (20, 5)
+    assert stats.preemptions_total == 2
+    assert stats.engines == ()
+    # The same deployment without priorities reads the same.
+    plain = parse("sglang-0.5.23-tp2-pp2.txt")
+    for field in ("kv_capacity_tokens", "kv_used_tokens", "requests_running", "requests_waiting"):
+        assert getattr(stats, field) == getattr(plain, field), field

@@ -55,7 +55,8 @@ from kvguard.config.settings import config_for_engine
 from kvguard.core.snapshot import EngineStats
 from kvguard.errors import KvguardError
 from kvguard.probes.engine import EngineProbe
-from kvguard.probes.engines import ADAPTERS, EngineScrape
+from kvguard.probes.engines import ADAPTERS
+from kvguard.probes.engines.llamacpp import EngineScrape, LlamacppAdapter
 from kvguard.runtime.assembly import listen
 from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.probing import Probes
@@ -90,9 +91,20 @@ BURST_TOKENS = 440
 BUSY_DECODED = 16  # well into decoding, far from the end
 
 
-async def kvguard_probe(url: str) -> dict:
-    """``kvguard probe --json --engine-url url`` (kind auto-detected), parsed."""
-    return await probe_json("--engine-url", url)
+async def kvguard_probe(url: str, config: Path | None = None) -> dict:
+    """``kvguard probe --json --engine-url url`` (kind auto-detected), parsed.
+
+    ``config``: a file declaring the layout (``[engine] kv_unified``); without one the
+    probe reads llama-server's default launch (unified) until the slots show a split.
+    """
+    return await probe_json("--engine-url", url, *(("--config", str(config)) if config else ()))
+
+
+def split_declared(tmp_path: Path, url: str) -> Path:
+    """A config declaring the fixture server's split cache (``-np 4``: four slots of 512)."""
+    path = tmp_path / "split.toml"
+    path.write_text(f'[engine]\nurl = "{url}"\nkv_unified = false\n')
+    return path
 
 
 async def probe_json(*args: str) -> dict:
@@ -131,13 +143,14 @@ async def busy_state(server: LlamaServer, http: aiohttp.ClientSession) -> Readin
 @requires_llamacpp
 async def test_probe_reads_an_idle_server(
     llama_server: LlamaServer,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
 ):
-    """Told apart by its metric names; capacity 4 slots x 512; nothing in use or queued."""
+    """Told apart by its metric names; capacity 4 slots x 512 (declared split); nothing in use."""
     server = llama_server
     async with client() as http:
         idle = await server.read(http)
         props = await server.get_json(http, "/props")
-        document = await kvguard_probe(server.url)
+        document = await kvguard_probe(server.url, split_declared(tmp_path, server.url))
     capture("llamacpp-real-idle-metrics.txt", idle.metrics_text)
     capture("llamacpp-real-idle-slots.json", pretty(idle.slots_text))
     for key in ("model_path", "model_alias"):  # no local paths in the repository
@@ -147,6 +160,7 @@ async def test_probe_reads_an_idle_server(
     engine = document["engine"]
     assert document["sources"]["engine"]["ok"], document["sources"]["engine"]
     assert engine["kind"] == "llamacpp"  # detected from the llamacpp:* metric names
+    assert engine["kv_layout"] == "split"
     assert engine["up"] is True
     assert [slot["n_ctx"] for slot in idle.slots] == [N_CTX_PER_SLOT] * SLOTS
     assert props["total_slots"] == SLOTS
@@ -165,6 +179,7 @@ async def test_probe_reads_an_idle_server(
 @requires_llamacpp
 async def test_probe_under_load_matches_the_engines_own_slots_and_metrics(
     llama_server: LlamaServer,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
 ):
     """6 completions on 4 slots: 4 running, 2 deferred, KV in use as /slots says, in (0, 1)."""
     server = llama_server
@@ -180,7 +195,8 @@ async def test_probe_under_load_matches_the_engines_own_slots_and_metrics(
             # Read /slots and /metrics all the while kvguard probes: its one scrape falls
             # between two of these readings.
             readings = [before]
-            probing = asyncio.ensure_future(kvguard_probe(server.url))
+            declared = split_declared(tmp_path, server.url)
+            probing = asyncio.ensure_future(kvguard_probe(server.url, declared))
             while not probing.done():
                 readings.append(await server.read(http))
                 await asyncio.sleep(0.05)
@@ -243,8 +259,11 @@ async def test_capacity_is_the_context_with_the_default_np_and_with_np_4(
 
     Read from the supervised command or declared in the config, capacity is 2,048 in
     both, and under load the tokens in use are what ``/slots`` says the busy slots
-    hold, of 2,048. Undeclared and unsupervised, the default launch reads as split
-    (4 x 2,048: every slot reports the whole cache) and the probe says it assumed so.
+    hold, of 2,048. Undeclared and unsupervised (``kvguard probe --engine-url``), it is
+    read as llama-server's default launch, unified: 2,048 for the default -np, one
+    slot's 512 for -np 4, until the four slots have written more than 512 tokens of
+    their own, which no unified cache of 512 could hold: then split (inferred), 2,048.
+    The default launch under that same load stays unified (assumed), 2,048.
     """
     unified = slots is None
     with running_server(tmp_path, slot_actions=False, slots=slots) as server:
@@ -269,13 +288,26 @@ async def test_capacity_is_the_context_with_the_default_np_and_with_np_4(
                 before = await until(two_decoding, timeout_s=120, interval_s=0.1, what="2 decoding")
                 busy = (await probe_json("--config", str(config)))["engine"]
                 after = await server.read(http)
+            async with load(http, server.url, SLOTS, BURST_TOKENS, first=10):
+
+                async def past_one_slot() -> Reading | None:
+                    # The slots' own tokens (processed prompt and output) past one n_ctx,
+                    # with room to spare: each request has ~300 tokens left to decode.
+                    reading = await server.read(http)
+                    own = sum(own_tokens(slot) for slot in reading.processing)
+                    full = len(reading.processing) == SLOTS
+                    return reading if full and own > N_CTX_PER_SLOT + 32 else None
+
+                await until(past_one_slot, timeout_s=120, interval_s=0.1, what="512 written")
+                shown = (await kvguard_probe(server.url))["engine"]
+                still = await server.read(http)
 
     per_slot = CONTEXT_TOKENS if unified else N_CTX_PER_SLOT
     assert [slot["n_ctx"] for slot in idle.slots] == [per_slot] * SLOTS
     assert supervised["kv_capacity_tokens"] == CONTEXT_TOKENS
     assert supervised["kv_layout"] == ("unified" if unified else "split")
-    assert undeclared["kv_layout"] == "split (assumed)"
-    assert undeclared["kv_capacity_tokens"] == per_slot * SLOTS  # 8,192 when unified
+    assert undeclared["kv_layout"] == "unified (assumed)"
+    assert undeclared["kv_capacity_tokens"] == per_slot  # 2,048 when unified, 512 split
     assert busy["kv_capacity_tokens"] == CONTEXT_TOKENS
     assert busy["kv_layout"] == ("unified" if unified else "split")
     assert busy["requests_running"] == 2
@@ -286,6 +318,16 @@ async def test_capacity_is_the_context_with_the_default_np_and_with_np_4(
     assert busy["kv_cache_usage_ratio"] == pytest.approx(
         busy["kv_used_tokens"] / CONTEXT_TOKENS, abs=1e-3
     )
+    # Undeclared, under four slots' load: the split shows, the default launch stays unified.
+    assert len(still.processing) == SLOTS, "a request ended before kvguard probed"
+    assert shown["kv_layout"] == ("unified (assumed)" if unified else "split (inferred)")
+    assert shown["kv_capacity_tokens"] == CONTEXT_TOKENS
+    assert N_CTX_PER_SLOT < shown["kv_used_tokens"] <= still.prompt_plus_decoded
+
+
+def own_tokens(slot: dict) -> int:
+    """Tokens a busy slot wrote itself: its processed prompt and its output so far."""
+    return int(slot.get("n_prompt_tokens_processed") or 0) + decoded(slot)
 
 
 # ---------------------------------------------------------------------- evict
@@ -429,7 +471,8 @@ async def supervised(tmp_path: Path):
     # -lv 4: llama.cpp prints its KV cache types (the only place it reports them).
     argv = server_command(port, tmp_path / "slots", "-lv", "4")
     supervisor = Supervisor(argv, output=output, stop_timeout_s=15)
-    probe = EngineProbe(url, kind="llamacpp", timeout_s=5.0)
+    # Split, -np 4, as `kvguard run` reads it from this command (Probes.from_config).
+    probe = EngineProbe(url, kind="llamacpp", timeout_s=5.0, kv_unified=False)
     proxy = AdmissionProxy(ProxySettings(upstream=url), Mitigations())
     runner = None
     await supervisor.start()
@@ -533,7 +576,7 @@ def test_adapter_parses_the_real_capture():
     ``tokens_predicted_total`` 16 (llama.cpp adds a request's tokens when it ends: only
     the warm-up's 16 so far).
     """
-    adapter = ADAPTERS["llamacpp"]
+    adapter = LlamacppAdapter(kv_unified=False)  # captured from `-np 4`: a split cache
     busy = adapter.parse(real_scrape("busy"))
     assert dataclasses.replace(busy, kv_used_tokens=None, kv_cache_usage_ratio=None) == (
         EngineStats(
@@ -561,6 +604,9 @@ def test_adapter_parses_the_real_capture():
     # Without /slots, capacity comes from /props (total_slots x n_ctx) and use is unknown.
     no_slots = adapter.parse(real_scrape("busy", slots=False))
     assert (no_slots.kv_capacity_tokens, no_slots.kv_used_tokens) == (2048, None)
+    # Undeclared, it reads as llama-server's default launch (unified: one slot's 512)
+    # until the slots hold more than 512 tokens of their own, which only a split can.
+    assert ADAPTERS["llamacpp"].parse(real_scrape("busy")).kv_capacity_tokens == 512
 
 
 def test_adapter_counts_generated_tokens_once():
@@ -569,6 +615,6 @@ def test_adapter_counts_generated_tokens_once():
     This llama.cpp's n_prompt_tokens is the slot's whole token list (34 here): adding
     n_decoded to it again would report 4 x (34 + 18) = 208, 53% more than is held.
     """
-    busy = ADAPTERS["llamacpp"].parse(real_scrape("busy"))
+    busy = LlamacppAdapter(kv_unified=False).parse(real_scrape("busy"))
     assert busy.kv_used_tokens == 4 * 34
     assert busy.kv_cache_usage_ratio == pytest.approx(136 / 2048)

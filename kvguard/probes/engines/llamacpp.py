@@ -1,10 +1,16 @@
 """llama.cpp ``llama-server``: ``llamacpp:*`` metrics plus ``/slots`` into :class:`EngineStats`.
 
 llama.cpp no longer exports a KV gauge, so KV use is counted from ``GET /slots``:
-each slot owns ``n_ctx`` tokens of context, and a processing slot holds its prompt
+each slot reports ``n_ctx`` tokens of context, and a processing slot holds its prompt
 plus what it has decoded so far. Without ``/slots`` those fields fall back to
 ``/props`` for capacity, and are unknown otherwise. llama.cpp does not preempt,
 and has no block size.
+
+How the slots' ``n_ctx`` add up depends on the cache layout, which llama-server does
+not report (:class:`LlamacppAdapter`): unified, one slot's ``n_ctx`` is the whole
+cache; split, the slots' add up. Undeclared, it is read as unified (llama-server's
+default launch) unless the slots hold more than a unified cache of that size could
+(:func:`shows_split`).
 """
 
 from __future__ import annotations
@@ -27,11 +33,15 @@ READS = frozenset(
 class LlamacppAdapter:
     """llama-server's metrics (``--metrics``), ``/slots`` and ``/props``.
 
-    ``kv_unified`` is how the server holds its context (``[engine] kv_unified``):
-    True when all slots share one cache (``--kv-unified``, and the default ``-np``
-    auto), so every slot reports the whole context as its ``n_ctx`` and the cache is
-    one of them; False or unknown (None) when ``-np N`` splits it, each slot owning
-    ``n_ctx`` of it, so they add up. Neither ``/slots`` nor ``/props`` says which.
+    ``kv_unified`` is how the server holds its context (``[engine] kv_unified``, or
+    llama-server's command line): True when all slots share one cache
+    (``--kv-unified``, and the default ``-np`` auto), so every slot reports the whole
+    context as its ``n_ctx`` and the cache is one of them; False when ``-np N`` splits
+    it, each slot owning ``n_ctx`` of it, so they add up. Neither ``/slots`` nor
+    ``/props`` says which: unknown (None) is read as unified, llama-server's default
+    launch (usage then reads too high on a split cache, never too low), except on a
+    scrape whose slots show a split cache (:func:`shows_split`). The adapter keeps no
+    state: the engine probe remembers a split once shown (``kv_unified=False``).
     """
 
     kind: EngineKind = "llamacpp"
@@ -46,7 +56,8 @@ class LlamacppAdapter:
     def parse(self, scrape: EngineScrape) -> EngineStats:
         """Normalize one llama-server scrape."""
         samples = parse_exposition(scrape.metrics_text, self.reads, scrape.families)
-        unified = self.kv_unified is True
+        declared = self.kv_unified
+        unified = not shows_split(scrape.slots) if declared is None else declared
         capacity, used = _from_slots(scrape.slots, unified=unified)
         if capacity is None:
             capacity = _capacity_from_props(scrape.props, unified=unified)
@@ -82,6 +93,43 @@ def _from_slots(
         if slot.get("is_processing") is True:
             used += _held(slot)
     return capacity, used
+
+
+def shows_split(slots: list[dict[str, Any]] | None) -> bool:
+    """Whether the busy slots hold more tokens together than a unified cache could.
+
+    Unified, every slot reports the whole cache as its ``n_ctx``, so the cells the
+    slots hold together cannot exceed it; past the largest ``n_ctx``, the slots must
+    each own theirs (split). Only the cells no other slot can share are counted: what
+    a slot processed and decoded, not the prompt it took from the cache (a unified
+    cache may share a prefix between slots). False when ``/slots`` is unreadable.
+    """
+    if not slots:
+        return False
+    largest = own = 0
+    for slot in slots:
+        n_ctx = _count(slot.get("n_ctx"))
+        if n_ctx is None:
+            return False
+        largest = max(largest, n_ctx)
+        if slot.get("is_processing") is True:
+            own += _own(slot)
+    return own > largest
+
+
+def _own(slot: dict[str, Any]) -> int:
+    """Cells a busy slot wrote itself: its processed prompt and its output."""
+    processed = _count(slot.get("n_prompt_tokens_processed"))
+    if processed is not None:
+        return processed + _decoded(slot)
+    # Older llama.cpp: n_prompt_tokens is the prompt alone, of which n_prompt_tokens_cache
+    # came from the cache. Without that breakdown only the output is surely the slot's
+    # own (a split wrongly inferred would read capacity too high).
+    prompt = _count(slot.get("n_prompt_tokens"))
+    cached = _count(slot.get("n_prompt_tokens_cache"))
+    if prompt is not None and cached is not None:
+        return max(prompt - cached, 0) + _decoded(slot)
+    return _decoded(slot)
 
 
 def _held(slot: dict[str, Any]) -> int:
