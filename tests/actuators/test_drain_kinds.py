@@ -9,9 +9,7 @@ is left at ``drain_timeout_s``.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
-import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -24,13 +22,10 @@ from kvguard.actuators.drain import EnginePauseDrain, ProxyDrain
 from kvguard.actuators.engine_admin import EngineAdmin
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
-from kvguard.actuators.reconfigure import Reconfigurer, ReconfigureTimes, SupervisorRestarter
-from kvguard.actuators.supervisor import Supervisor
+from kvguard.actuators.reconfigure import Reconfigurer
 from kvguard.core.policy import Action
-from kvguard.core.snapshot import EngineStats
-from kvguard.probes.engine import EngineProbe
-from kvguard.runtime.assembly import listen
-from tests.helpers import free_port, until
+from tests.actuators.conftest import Rig, streamed, supervised_rig
+from tests.helpers import until
 
 
 async def _no_stats() -> None:
@@ -125,48 +120,14 @@ async def test_without_the_proxy_the_sglang_switch_is_refused(sglang_admin_port)
 
 # ---------------------------------------------------------------------- SGLang, proxy
 DRAIN_TIMEOUT_S = 1.5
-Rig = tuple[Supervisor, EngineProbe, AdmissionProxy, str]
 
 
 @pytest.fixture
-async def sglang_behind_the_proxy() -> AsyncIterator[
-    tuple[Supervisor, EngineProbe, AdmissionProxy, str]
-]:
+async def sglang_behind_the_proxy() -> AsyncIterator[Rig]:
     """A supervised simulated SGLang (a child process), a probe on it, the proxy in front."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [
-        *(sys.executable, "-m", "kvguard.cli.main", "sim-engine", "--port", str(port)),
-        *("--flavor", "sglang", "--kv-capacity-tokens", "4096", "--max-model-len", "2048"),
-        *("--step-time", "0.01", "--token-time", "0.00001"),
-    ]
-    supervisor = Supervisor(command, output=io.StringIO(), stop_timeout_s=5)
-    probe = EngineProbe(url, timeout_s=2.0)
-    proxy = AdmissionProxy(ProxySettings(upstream=url), Mitigations())
-    runner = None
-    await supervisor.start()
-    try:
-        runner = await listen(proxy.app(), "127.0.0.1:0", cancel=True)
-        proxy_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-        async def healthy() -> EngineStats | None:
-            try:
-                stats = await probe.sample()
-            except Exception:  # noqa: BLE001 - starting up: not answering yet
-                return None
-            return stats if stats.up and stats.kv_capacity_tokens else None
-
-        await until(healthy, timeout_s=30, what="the simulated SGLang healthy")
-        yield supervisor, probe, proxy, proxy_url
-    finally:
-        if runner is not None:
-            await runner.cleanup()
-        await probe.close()
-        await supervisor.stop()
-
-
-def _stream(max_tokens: int) -> dict:
-    return {"prompt": "hello " * 20, "max_tokens": max_tokens, "stream": True}
+    async with supervised_rig("sglang") as rig:
+        await rig.healthy()
+        yield rig
 
 
 async def test_with_the_proxy_an_sglang_drain_ends(sglang_behind_the_proxy):
@@ -177,23 +138,19 @@ async def test_with_the_proxy_an_sglang_drain_ends(sglang_behind_the_proxy):
     request, critical too, gets 503. The switch ends (it does not hang on a frozen
     engine): SGLang is restarted with ``--kv-cache-dtype fp8_e5m2`` and admitted again.
     """
-    supervisor, probe, proxy, proxy_url = sglang_behind_the_proxy
+    rig = sglang_behind_the_proxy
+    supervisor, probe, proxy, proxy_url = rig.supervisor, rig.probe, rig.proxy, rig.proxy_url
     assert probe.kind == "sglang"
-    reconfigurer = Reconfigurer(
-        SupervisorRestarter(supervisor, "sglang"),
-        ProxyDrain(proxy, proxy.mitigations),
-        engine_stats=probe.sample,
-        times=ReconfigureTimes(drain_timeout_s=DRAIN_TIMEOUT_S, start_timeout_s=30),
-    )
+    reconfigurer = rig.switch("sglang", drain_timeout_s=DRAIN_TIMEOUT_S, start_timeout_s=30)
     async with aiohttp.ClientSession() as http:
-        short = asyncio.ensure_future(http.post(f"{proxy_url}/v1/completions", json=_stream(20)))
-        long = asyncio.ensure_future(http.post(f"{proxy_url}/v1/completions", json=_stream(1500)))
+        short = asyncio.ensure_future(http.post(f"{proxy_url}/v1/completions", json=streamed(20)))
+        long = asyncio.ensure_future(http.post(f"{proxy_url}/v1/completions", json=streamed(1500)))
         await until(lambda: len(proxy.inflight) == 2)
         started = time.monotonic()
         switch = asyncio.ensure_future(reconfigurer.switch(fp8=True))
         await until(lambda: proxy.mitigations.draining)
         async with http.post(
-            f"{proxy_url}/v1/completions", json=_stream(5), headers={"X-Priority": "critical"}
+            f"{proxy_url}/v1/completions", json=streamed(5), headers={"X-Priority": "critical"}
         ) as refused:
             assert refused.status == 503
             assert (await refused.json())["error"]["code"] == "kv_cache_reconfigure"

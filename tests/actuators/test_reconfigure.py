@@ -8,7 +8,6 @@ front of it, and the switch drains the proxy, restarts the child with
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import sys
 import time
@@ -18,89 +17,21 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvguard.actuators.drain import ProxyDrain
-from kvguard.actuators.mitigations import Mitigations
-from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.actuators.reconfigure import (
     CommandRestarter,
-    Reconfigurer,
-    ReconfigureTimes,
     SupervisorRestarter,
     SystemdRestarter,
     engine_environment,
 )
-from kvguard.actuators.supervisor import Supervisor
-from kvguard.probes.engine import EngineProbe
-from kvguard.runtime.assembly import listen
-from tests.helpers import free_port, until
-
-POOL_TOKENS = 4096
-
-
-def sim_command(port: int) -> list[str]:
-    """``kvguard sim-engine`` as a child process: vLLM flavor, a small pool, slow steps."""
-    return [
-        *(sys.executable, "-m", "kvguard.cli.main", "sim-engine", "--port", str(port)),
-        *("--kv-capacity-tokens", str(POOL_TOKENS), "--max-model-len", "2048"),
-        *("--step-time", "0.01", "--token-time", "0.00001"),
-    ]
-
-
-class Rig:
-    """A supervised sim engine, a probe on it, and kvguard's proxy in front."""
-
-    def __init__(self, supervisor: Supervisor, probe: EngineProbe, proxy: AdmissionProxy) -> None:
-        self.supervisor = supervisor
-        self.probe = probe
-        self.proxy = proxy
-        self.proxy_url = ""
-        self.mitigations = proxy.mitigations
-
-    def switch(self, kind: str = "vllm", **times: float) -> Reconfigurer:
-        return Reconfigurer(
-            SupervisorRestarter(self.supervisor, kind),
-            ProxyDrain(self.proxy, self.mitigations),
-            engine_stats=self.probe.sample,
-            times=ReconfigureTimes(**times),
-        )
-
-    async def healthy(self, limit_s: float = 30.0) -> int:
-        """Wait until the engine answers; its KV capacity in tokens."""
-        for _ in range(int(limit_s / 0.1)):
-            try:
-                stats = await self.probe.sample()
-            except Exception:  # noqa: BLE001 - starting up: not answering yet
-                stats = None
-            if stats is not None and stats.up and stats.kv_capacity_tokens:
-                return stats.kv_capacity_tokens
-            await asyncio.sleep(0.1)
-        raise AssertionError("the engine never became healthy")
+from tests.actuators.conftest import Rig, streamed, supervised_rig
+from tests.helpers import until
 
 
 @pytest.fixture
 async def rig():
     """Start the rig; stop the engine and the proxy afterwards, whatever happened."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    supervisor = Supervisor(sim_command(port), output=io.StringIO(), stop_timeout_s=5)
-    probe = EngineProbe(url, timeout_s=2.0)
-    proxy = AdmissionProxy(ProxySettings(upstream=url), Mitigations())
-    runner = None
-    await supervisor.start()
-    try:
-        runner = await listen(proxy.app(), "127.0.0.1:0", cancel=True)
-        setup = Rig(supervisor, probe, proxy)
-        setup.proxy_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with supervised_rig() as setup:
         yield setup
-    finally:
-        if runner is not None:
-            await runner.cleanup()
-        await probe.close()
-        await supervisor.stop()
-
-
-def _stream(max_tokens: int) -> dict:
-    return {"prompt": "hello " * 20, "max_tokens": max_tokens, "stream": True}
 
 
 async def test_switch_drains_restarts_with_fp8_and_reverts(rig: Rig):
@@ -109,13 +40,15 @@ async def test_switch_drains_restarts_with_fp8_and_reverts(rig: Rig):
     reconfigurer = rig.switch(drain_timeout_s=20, start_timeout_s=30)
     async with aiohttp.ClientSession() as http:
         running = asyncio.ensure_future(
-            http.post(f"{rig.proxy_url}/v1/completions", json=_stream(60))
+            http.post(f"{rig.proxy_url}/v1/completions", json=streamed(60))
         )
         await until(lambda: len(rig.proxy.inflight) == 1)
         switch = asyncio.ensure_future(reconfigurer.switch(fp8=True))
         await until(lambda: rig.mitigations.draining)
         async with http.post(
-            f"{rig.proxy_url}/v1/completions", json=_stream(5), headers={"X-Priority": "critical"}
+            f"{rig.proxy_url}/v1/completions",
+            json=streamed(5),
+            headers={"X-Priority": "critical"},
         ) as refused:
             assert refused.status == 503
             assert "Retry-After" in refused.headers
@@ -146,7 +79,7 @@ async def test_what_outlasts_the_drain_is_cancelled_with_a_clear_error(rig: Rig)
     reconfigurer = rig.switch(drain_timeout_s=0.3, start_timeout_s=30)
     async with aiohttp.ClientSession() as http:
         running = asyncio.ensure_future(
-            http.post(f"{rig.proxy_url}/v1/completions", json=_stream(1500))
+            http.post(f"{rig.proxy_url}/v1/completions", json=streamed(1500))
         )
         await until(lambda: len(rig.proxy.inflight) == 1)
         result = await reconfigurer.switch(fp8=True)
