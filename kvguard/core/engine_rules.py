@@ -216,19 +216,17 @@ def sampler_bytes_per_logit(rule: VllmRule, sampler: str | None = None) -> int:
     return 39 if (sampler or release_sampler(rule)) == "pytorch" else 15
 
 
+_SAMPLER_NAMES = {
+    "pytorch": ("PyTorch sort top-k/top-p", "vLLM before 0.17 without FlashInfer"),
+    "triton": ("Triton top-k/top-p", "vLLM 0.17-0.20"),
+    "flashinfer": ("FlashInfer top-k/top-p", "vLLM 0.21+"),
+}
+
+
 def sampler_kind(rule: VllmRule, sampler: str | None = None) -> str:
     """The top-k/top-p path V1's profile run samples with, in words (for sources)."""
-    if sampler is not None:
-        return {
-            "pytorch": "PyTorch sort top-k/top-p",
-            "triton": "Triton top-k/top-p",
-            "flashinfer": "FlashInfer top-k/top-p",
-        }[sampler] + " (given)"
-    if rule.version < TRITON_SAMPLER:
-        return "PyTorch sort top-k/top-p (vLLM before 0.17 without FlashInfer)"
-    if rule.version < FLASHINFER_SAMPLER:
-        return "Triton top-k/top-p (vLLM 0.17-0.20)"
-    return "FlashInfer top-k/top-p (vLLM 0.21+)"
+    name, releases = _SAMPLER_NAMES[sampler or release_sampler(rule)]
+    return f"{name} ({'given' if sampler is not None else releases})"
 
 
 def cuda_graph_bytes(rule: VllmRule, layers_per_gpu: int, moe: bool, enforce_eager: bool) -> int:

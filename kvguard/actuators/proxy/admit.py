@@ -514,12 +514,11 @@ class Admission:
             # dies loses every critical answer in flight.
             sizes = [rules.whole_blocks(held[id(r)], block) for r in others]
             n = rules.overrun_cancels(used, growth, pool, sizes, writing)
-            peak = self._peak_at_ceilings(requests, held, used)
             # The growth ahead is read as linear; answers that end at their caps meanwhile
             # free all they hold. Where every answer in flight would end within the pool
             # (their peak step by step, each written to its cap), no critical one is cut.
             if not rules.pool_lasts(used, growth, pool, sizes, writing, cancels=n) and (
-                peak is None or peak > pool
+                (peak := self._peak_at_ceilings(requests, held, used)) is None or peak > pool
             ):
                 everyone = others + in_order(critical=True)
                 sizes = [rules.whole_blocks(held[id(r)], block) for r in everyone]
