@@ -231,6 +231,8 @@ class InflightRequest:
     # default). An answer that reached it says only that it would have run at least that.
     answer_limit: int | None = None
     reserved_from: str = ""  # how the reservation was sized, in words (for reasons)
+    # The higher class waiting for room that it was not held behind (its 503 said so).
+    passed_over_for: str | None = None
     # The byte-based estimate of the prompt it was admitted with (None: counted), and
     # whether the engine's count replaced it since (usage, or /tokenize).
     prompt_estimate: int | None = None

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import re
 from collections.abc import Awaitable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -546,8 +547,8 @@ async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_
         await _one_in_flight(proxy)
         waiting = []
         for name, priority in (
-            ("older", "standard"),
             ("sheddable", "sheddable"),
+            ("older", "standard"),
             ("newer", "standard"),
             ("critical", "critical"),
         ):
@@ -557,7 +558,48 @@ async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_
                     break
                 await asyncio.sleep(0.005)
         await asyncio.gather(first, *waiting)
+    # The sheddable one came before any higher class waited: it waits, behind them.
     assert order == ["first", "critical", "newer", "older", "sheddable"]
+
+
+async def test_a_lower_class_is_not_held_behind_a_higher_class_waiting(sim_server, proxy_to):
+    """While a higher class waits for room, a lower one that does not fit gets its 503 at once.
+
+    The room that frees goes to the higher class first: held, the lower one would get
+    its 503 only at its wait's end, or go in that late, after the queue ahead of it.
+    Critical requests always wait (they are never refused for room they can have).
+    """
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
+    mitigations = Mitigations(pool_tokens=1000, block_size=16)
+    url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=10)
+
+    async def send(http: aiohttp.ClientSession, priority: str) -> tuple[int, dict[str, Any]]:
+        async with http.post(
+            f"{url}/v1/completions", json=body(10, 700, 30), headers={"X-Priority": priority}
+        ) as resp:
+            return resp.status, await resp.json()
+
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.ensure_future(send(http, "standard"))
+        await _one_in_flight(proxy)
+        critical = asyncio.ensure_future(send(http, "critical"))
+        for _ in range(200):
+            if proxy.waiting == 1:
+                break
+            await asyncio.sleep(0.005)
+        assert proxy.waiting == 1
+        started = asyncio.get_running_loop().time()
+        standard, shed = await asyncio.gather(send(http, "standard"), send(http, "sheddable"))
+        assert asyncio.get_running_loop().time() - started < 1.0  # not after its 10 s wait
+        for status, answer in (standard, shed):
+            assert status == 503
+            assert answer["error"]["code"] == "kv_pool_full"
+            message = answer["error"]["message"]
+            assert "critical requests are waiting for room ahead of it" in message
+        assert (await first)[0] == 200
+        assert (await critical)[0] == 200  # it waited, and went in once the first ended
+    assert proxy.counters.shed[("standard", "kv_pool_full")] == 1
+    assert proxy.counters.shed[("sheddable", "kv_pool_full")] == 1
 
 
 async def test_room_that_fits_several_waiting_requests_lets_them_all_in(sim_server, proxy_to):

@@ -26,7 +26,7 @@ import structlog
 from aiohttp import web
 
 from kvguard.actuators.accounting import ESTIMATE_BYTES_PER_TOKEN, Inflight, InflightRequest
-from kvguard.actuators.mitigations import Mitigations, rank, request_priority
+from kvguard.actuators.mitigations import PRIORITIES, Mitigations, rank, request_priority
 from kvguard.actuators.proxy import shapes
 from kvguard.actuators.proxy.answers import _error
 from kvguard.actuators.proxy.counting import (
@@ -702,6 +702,11 @@ class Admission:
         if own > limit:
             return f"it alone reserves {own:,} tokens, more than {of}{sized}"
         why = f"projected {with_it:,} of {of} with it"
+        if tracked.passed_over_for is not None:
+            return (
+                f"{why}, and {tracked.passed_over_for} requests are waiting for room ahead of"
+                f" it (room goes to the higher class first), so it was not held{sized}"
+            )
         if with_it < projection.summed + own:
             why += (
                 f" (at its peak, step by step: the {projection.summed + own:,} reserved in"
@@ -1016,6 +1021,15 @@ class Admission:
         pool = mitigations.pool_tokens
         if not critical and pool is not None and own > pool * terms.ratio:
             return False  # it could never fit: waiting would only block the others
+        tracked.passed_over_for = None if critical else self.higher_class_waiting(own_rank)
+        if tracked.passed_over_for is not None:
+            # Room that frees goes to the higher class first: this one could go in only
+            # once that queue is gone, the likeliest moment for the next burst. Held,
+            # it would get its 503 after the wait (its client's retry later still) and,
+            # admitted that late, take room from fresher requests for an answer its
+            # client may no longer want. Its 503 now lets the client retry or go
+            # elsewhere while that is still worth it.
+            return False
         waiting = self._waiting_ranks.setdefault(own_rank, {})
         waiting[ticket] = tracked
         admitted = False
@@ -1031,6 +1045,11 @@ class Admission:
             # oldest run out their wait with room to spare.
             if not admitted or self._someone_fits():
                 self.wake()
+
+    def higher_class_waiting(self, own_rank: int) -> str | None:
+        """The highest class above ``own_rank`` with requests waiting for room, or None."""
+        above = [r for r, waiting in self._waiting_ranks.items() if r > own_rank and waiting]
+        return None if not above else PRIORITIES[max(above)]
 
     def _someone_fits(self) -> bool:
         """Whether a request waiting for room would fit it now (the highest class waiting)."""
