@@ -9,19 +9,19 @@
 #   scripts/install-service.sh --root /tmp/root  # everything under /tmp/root (a dry install:
 #                                                # no systemctl; what the tests verify)
 #
-# Options: --root DIR (install under DIR), --gpu (also nvidia-ml-py, for the NVML probe).
+# Options: --root DIR (install under DIR). nvidia-ml-py (the NVML probe) is a dependency
+# of kvguard, always installed; --gpu, which used to add it, is accepted and does nothing.
 # /opt is not under /home or /root: the unit's ProtectHome= does not hide it, and its
 # DynamicUser= can read it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 root=""
-gpu=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --root) root=${2:?--root needs a directory}; shift 2 ;;
-    --gpu) gpu=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --gpu) echo "install-service.sh: --gpu is no longer needed: nvidia-ml-py is always installed" >&2; shift ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "install-service.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -39,10 +39,8 @@ config_dir="$root/etc/kvguard"
 
 "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-# Not editable, no extras: the runtime alone, as a copy of this checkout.
-packages=(.)
-if [ "$gpu" -eq 1 ]; then packages+=(nvidia-ml-py); fi
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${packages[@]}"
+# Not editable, no extras: the runtime alone (nvidia-ml-py included), a copy of this checkout.
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check .
 
 mkdir -p "$unit_dir" "$config_dir"
 # The unit as shipped runs $prefix/bin/kvguard: installed as it is.

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -416,6 +419,12 @@ async def test_status_of_several_kvguards_ranks_them_worst_first(fleet):
     assert "UNREACHABLE" in lines[1]
     assert "2.0 GiB 2.5% (GPU 2)" in lines[2]
     assert lines[3].endswith("vllm up")
+    # A long error is cut, so it does not widen the column for every row; watched,
+    # the line says since when the engine is unreachable.
+    rows[0] = dataclasses.replace(rows[0], error="cannot read " + "x" * 200)
+    watched = engine_lines(render_fleet(rows, {dead: time.time() - 60}))
+    assert len(watched[2]) < 180  # not 200 wide for the error alone
+    assert re.search(r"UNREACHABLE +since \d\d:\d\d:\d\d: cannot read x+\u2026", watched[1])
 
 
 def engine_lines(text: str) -> list[str]:
@@ -559,7 +568,7 @@ PRESSED = {
 PRESSED_DETAILS = [
     "    binding kv_cache  pattern bursty_short"
     "  active shed priority=sheddable, tighten_window max_prompt_tokens=2048",
-    "    last elevated -> high: high: kv_usage 0.930 >= 0.900; high pressure, bursty_short traffic",
+    "    last elevated -> high: kv_usage 0.930 >= 0.900; high pressure, bursty_short traffic",
 ]
 
 
@@ -921,19 +930,38 @@ async def test_run_logs_exposed_secret_files_and_strict_reload_refuses_them(sim_
         assert await proc.wait() == 0
 
 
+def _reader_gone(argv: list[str]) -> tuple[int, bytes]:
+    """Run ``kvguard ARGV`` with its stdout's reader gone before the first byte."""
+    reader = subprocess.Popen([KVGUARD, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout is not None
+    reader.stdout.close()
+    _, err = reader.communicate(timeout=30)
+    return reader.returncode, err
+
+
 def test_a_reader_that_stops_early_gets_no_traceback():
     """`kvguard budget --json | head -c 1`: exit 141 (SIGPIPE's code), nothing on stderr."""
-    reader = subprocess.Popen(
-        [KVGUARD, "budget", "llama-3.1-70b", "--gpu", "H100-80GB", "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    assert reader.stdout is not None
-    reader.stdout.close()  # the reader is gone before the first byte
-    _, err = reader.communicate(timeout=30)
-    assert reader.returncode == 141, err
+    code, err = _reader_gone(["budget", "llama-3.1-70b", "--gpu", "H100-80GB", "--json"])
+    assert code == 141, err
     assert b"Traceback" not in err
     assert b"BrokenPipeError" not in err
+
+
+async def test_probe_and_status_piped_to_a_reader_that_stops_get_no_traceback(sim_engine):
+    """`kvguard probe … --json | head` and `kvguard status --json | head`: the issue's pipes."""
+    url = await sim_engine(kv_capacity_tokens=4096, max_model_len=2048)
+    daemon, runner, status_url = await start_kvguard(url, [40 * GiB])
+    try:
+        for argv in (
+            ["probe", "--engine-url", url, "--json"],
+            ["status", "--url", status_url, "--json"],
+        ):
+            code, err = await asyncio.to_thread(_reader_gone, argv)
+            assert code == 141, (argv, err)
+            assert b"Traceback" not in err, argv
+    finally:
+        await runner.cleanup()
+        await daemon.close()
 
 
 @pytest.mark.parametrize(
@@ -1011,3 +1039,21 @@ def test_the_default_utilization_and_sampler_follow_the_engine_version(capsys):
         main(["budget", "llama-3.1-8b", "--sampler", "fast"])
     assert exited.value.code == 2
     assert "--sampler" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "nan", "abc", "3601"])
+def test_status_refuses_a_refresh_period_it_could_not_keep(interval, capsys):
+    """``--interval 0`` would redraw as fast as /status answers: a usage error, exit 2."""
+    with pytest.raises(SystemExit) as exc:
+        main(["status", "--watch", "--interval", interval])
+    assert exc.value.code == 2
+    assert "--interval: must be a number of seconds over 0" in capsys.readouterr().err
+
+
+def test_an_unknown_flag_points_at_the_commands_own_help(capsys):
+    """``kvguard run --bogus`` names ``kvguard run --help``, where the flags are listed."""
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --bogus (see kvguard run --help)" in err

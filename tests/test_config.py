@@ -193,6 +193,35 @@ def test_check_config_output_reads_back_as_the_same_config(tmp_path):
     assert load_config(str(echoed), env={}) == replace(original, source=str(echoed))
 
 
+def test_check_config_says_which_settings_it_left_out_and_they_read_back_once_copied(tmp_path):
+    """Settings that may hold secrets are not printed: the header names them.
+
+    Fed back as printed, they would read as their defaults (no webhooks, no restart
+    command) without a word; with them copied from the source, the same config.
+    """
+    source = tmp_path / "kvguard.toml"
+    secrets = (
+        '[webhook]\nurls = ["https://hooks.example.com/T0/s3cr3t-path"]\n'
+        '[reconfigure]\nmode = "command"\ncommand = ["/bin/true", "--token", "x"]\n'
+    )
+    source.write_text('[engine]\nurl = "http://127.0.0.1:8000"\n' + secrets)
+    done = subprocess.run(
+        [KVGUARD, "check-config", str(source)], capture_output=True, text=True, check=True
+    )
+    header = "".join(line for line in done.stdout.splitlines(keepends=True)[:3])
+    assert "but for webhook.urls, reconfigure.command: left out" in header
+    assert "reads\n# back as the same configuration once they are copied from" in header
+    assert "s3cr3t" not in done.stdout
+    assert "--token" not in done.stdout
+    data = tomllib.loads(done.stdout)
+    assert "urls" not in data["webhook"]
+    assert "command" not in data["reconfigure"]
+    data["webhook"]["urls"] = ["https://hooks.example.com/T0/s3cr3t-path"]
+    data["reconfigure"]["command"] = ["/bin/true", "--token", "x"]
+    original = load_config(str(source), env={})
+    assert parse_config(data, source=str(source), env={}) == original
+
+
 def test_check_config_reports_a_bad_model_beside_a_bad_url(tmp_path):
     """Every problem at once: a bad URL does not hide a model that cannot be budgeted."""
     path = tmp_path / "k.toml"

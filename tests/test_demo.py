@@ -182,6 +182,11 @@ def test_summary_is_side_by_side():
     }
     text = render_summary(unguarded, guarded)
     assert "25 of the shed found no room in the engine's pool" in text
+    assert "the other 15 were shed by the pressure level" in text
+    # All of them for want of room: no "rest" to speak of.
+    alone = render_summary(unguarded, guarded | {"shed_no_room": 40})
+    assert "All of the shed found no room in the engine's pool" in alone
+    assert "pressure level" not in alone.split("All of the shed")[1]
     assert any(
         line.startswith("  no room in the pool") and "25" in line for line in text.splitlines()
     )

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import free_port, until
+from tests.helpers import free_port, strict_json, until
 
 # Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
 pytestmark = pytest.mark.slow
@@ -84,6 +84,12 @@ async def _metric(http: aiohttp.ClientSession, api: str, name: str, **labels: st
     return None
 
 
+def _events_logged(path: Path) -> set[str]:
+    """The events of a JSON log, each line parsed strictly (a shipper drops a line that is not)."""
+    lines = [strict_json(line) for line in path.read_bytes().splitlines() if line.startswith(b"{")]
+    return {line["event"] for line in lines if isinstance(line, dict)}
+
+
 async def test_sustained_pressure_switches_to_fp8_and_calm_reverts(tmp_path: Path):
     """The pool doubles under pressure and comes back when calm; nothing in flight is lost."""
     engine, api, proxy = free_port(), free_port(), free_port()
@@ -94,11 +100,15 @@ async def test_sustained_pressure_switches_to_fp8_and_calm_reverts(tmp_path: Pat
         *("--kv-capacity-tokens", str(POOL_TOKENS), "--max-model-len", "2048"),
         *("--step-time", "0.01", "--token-time", "0.00001"),
     ]
-    kvguard = await asyncio.create_subprocess_exec(
-        KVGUARD, "run", "--config", str(config), "--", *command,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
+    # Its log (JSON: stderr is no terminal) is kept, and every line parsed strictly below:
+    # the drain and restart events of a real switch are written by this process only.
+    log_path = tmp_path / "kvguard.log"
+    with log_path.open("wb") as log_file:  # the child holds its own copy
+        kvguard = await asyncio.create_subprocess_exec(
+            KVGUARD, "run", "--config", str(config), "--", *command,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=log_file,
+        )  # fmt: skip
     api_url, proxy_url = f"http://127.0.0.1:{api}", f"http://127.0.0.1:{proxy}"
     engine_pids: set[int] = set()
     try:
@@ -168,6 +178,7 @@ async def test_sustained_pressure_switches_to_fp8_and_calm_reverts(tmp_path: Pat
             kvguard.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(kvguard.wait(), 30)
     assert code == 0
+    assert {"drain_started", "reconfigured", "pressure_level_changed"} <= _events_logged(log_path)
     assert len(engine_pids) == 3  # the original, the fp8 one, the reverted one
     for pid in engine_pids:  # the engine never outlives kvguard
         try:

@@ -48,6 +48,9 @@ from kvguard.core.policy import Action
 NO_RESTART_CONFIGURED = (
     'no way to restart the engine: set [reconfigure] mode, or run it as "-- <command>"'
 )
+# Until the engine's first good reading, what it can do is not known: its actions are
+# left off the ladder meanwhile, and nothing is said of them until it is known.
+KIND_NOT_KNOWN = "the engine's kind is not known yet"
 log = structlog.get_logger("kvguard.actuators")
 _PAUSE_TASK = "engine_pause"  # the one task that pauses and resumes the engine
 EventSink = Callable[[str, dict[str, Any]], None]
@@ -148,12 +151,14 @@ class Actuators:
     def unavailable(self) -> dict[str, str]:
         """Actions this engine cannot take now, with why (the ladder falls through)."""
         out: dict[str, str] = {}
+        if self.kind is None:
+            # Neither the admin client nor the fp8 switch is built before the kind is
+            # known: "no restart configured" would be untrue of `kvguard run -- <cmd>`.
+            return dict.fromkeys(("evict", "kv_fp8", "revert_kv_fp8"), KIND_NOT_KNOWN)
         admin = self.admin
         if admin is None or not admin.supports("evict"):
             out["evict"] = (
-                "the engine's kind is not known yet"
-                if admin is None
-                else f"{self.kind or 'this engine'} offers no cache eviction kvguard can call"
+                f"{self.kind} offers no cache eviction kvguard can call"
                 " (vLLM needs VLLM_SERVER_DEV_MODE=1)"
             )
         why = self._why_no_switch()

@@ -9,6 +9,8 @@ asynchronous actuators). It only reads; the ``control`` section (the recent
 from __future__ import annotations
 
 import math
+import time
+from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +18,7 @@ from kvguard.api.budget_report import budget_to_dict
 from kvguard.api.logs import json_finite
 
 if TYPE_CHECKING:
+    from kvguard.actuators.proxy.settings import ShedNote
     from kvguard.runtime.daemon import Daemon
 
 
@@ -179,7 +182,12 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
         "listen": proxy.settings.listen,
         "upstream": proxy.settings.upstream,
         "inflight_requests": len(proxy.inflight),
-        "waiting_requests": proxy.waiting,
+        # Requests the proxy holds for room (not the engine's queue: engine.requests_waiting).
+        "held_requests": proxy.waiting,
+        "waiting_requests": proxy.waiting,  # deprecated: held_requests' old name
+        # What it refused with 503 since kvguard started, and the last one's reason.
+        "requests_shed": _shed_counts(proxy.counters.shed),
+        "last_shed": _last_shed(proxy.counters.last_shed),
         "inflight_kv_tokens": proxy.inflight.total_tokens,
         "admission": proxy.settings.admission,
         # What admission holds for them: a quantile of their total under "observed".
@@ -215,6 +223,30 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
             }
             for r in proxy.inflight.top(10)
         ],
+    }
+
+
+def _shed_counts(shed: Counter[tuple[str, str]]) -> dict[str, Any]:
+    by_priority: Counter[str] = Counter()
+    by_reason: Counter[str] = Counter()
+    for (priority, reason), count in shed.items():
+        by_priority[priority] += count
+        by_reason[reason] += count
+    return {
+        "total": sum(shed.values()),
+        "by_priority": dict(sorted(by_priority.items())),
+        "by_reason": dict(sorted(by_reason.items())),
+    }
+
+
+def _last_shed(note: ShedNote | None) -> dict[str, Any] | None:
+    if note is None:
+        return None
+    return {
+        "age_s": round(max(time.monotonic() - note.at, 0.0), 1),
+        "priority": note.priority,
+        "reason": note.reason,
+        "detail": note.detail,
     }
 
 

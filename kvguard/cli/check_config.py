@@ -82,6 +82,14 @@ def run_check_config(args: argparse.Namespace) -> int:
             f"{config.source}: OK. The resolved configuration, every default included;"
             "\nthis reads back as the same configuration."
         )
+        if hidden:
+            # Left out, they read back as their defaults (no webhooks, no restart
+            # command): say so where the output is, not only on stderr.
+            header = (
+                f"{config.source}: OK. The resolved configuration, every default included,"
+                f"\nbut for {', '.join(hidden)}: left out (they may hold secrets). It reads"
+                f"\nback as the same configuration once they are copied from {config.source}."
+            )
         sys.stdout.write(toml_out.dumps(tables, header))
     return 0
 

@@ -318,10 +318,13 @@ def _verdict(unguarded: Mapping[str, Any], guarded: Mapping[str, Any]) -> str:
             f" {guarded['completed']:,} completed, {guarded['shed']:,} shed,"
             f" {guarded['clamped']:,} clamped, {guarded['cancelled']:,} cancelled."
         )
-        if guarded.get("shed_no_room"):
+        no_room = guarded.get("shed_no_room") or 0
+        if no_room:
             # Admission sheds at any level: say so, or "level ok ... shed 53" reads as a lie.
+            rest = guarded["shed"] - no_room
             second += (
-                f" {guarded['shed_no_room']:,} of the shed found no room in the engine's pool"
-                " (admission: whatever the level), the rest were shed by the pressure level."
+                f" {'All' if not rest else f'{no_room:,}'} of the shed found no room in the"
+                " engine's pool (admission: whatever the level)"
+                + (f"; the other {rest:,} were shed by the pressure level." if rest else ".")
             )
     return first + "\n" + second

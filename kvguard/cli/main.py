@@ -285,6 +285,17 @@ def _json_arg(text: str) -> object:
         raise InvalidInputError("--speculative-config", text, f"must be JSON ({exc.msg})") from None
 
 
+def _command_parser(
+    parser: argparse.ArgumentParser, command: str | None
+) -> argparse.ArgumentParser:
+    """The parser of ``command`` (``kvguard run``'s), else ``parser`` itself."""
+    # argparse keeps its subparsers only in this private list.
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]  # type: ignore[no-any-return]
+    return parser
+
+
 def _flag(field: str) -> str:
     if field.startswith("-"):
         return field
@@ -294,7 +305,10 @@ def _flag(field: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvguard`` command line; returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # Said by the command's own parser: its --help is the one that lists its flags.
+        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return EXIT_BAD_INPUT

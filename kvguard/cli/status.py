@@ -65,7 +65,11 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     )
     status.add_argument("--watch", action="store_true", help="refresh until interrupted")
     status.add_argument(
-        "--interval", type=float, default=1.0, metavar="S", help="refresh period (default 1 s)"
+        "--interval",
+        type=refresh_period,
+        default=1.0,
+        metavar="S",
+        help=f"refresh period with --watch, over 0 and at most {MAX_INTERVAL_S:g} s (default 1 s)",
     )
     status.add_argument(
         "--json",
@@ -76,6 +80,22 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
 
 
 STATUS_TIMEOUT_S = 5.0
+MAX_INTERVAL_S = 3600.0
+
+
+def refresh_period(text: str) -> float:
+    """``--interval``: seconds over 0 (0 would redraw as fast as /status answers)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_INTERVAL_S:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds over 0 and at most {MAX_INTERVAL_S:g}, not {text!r}"
+        )
+    return seconds
+
+
 LEVEL_RANKS = {"ok": 0, "elevated": 1, "high": 2, "critical": 3}
 
 
@@ -94,6 +114,7 @@ def run_status(args: argparse.Namespace) -> int:
     fleet = len(urls) > 1
     code = 0
     unreachable_since: float | None = None
+    down_since: dict[str, float] = {}  # fleet rows: URL -> since when unreachable
 
     async def main() -> None:
         nonlocal code, unreachable_since
@@ -102,10 +123,16 @@ def run_status(args: argparse.Namespace) -> int:
                 if fleet:
                     rows = await fetch_fleet(session, urls)
                     code = 1 if any(r.error for r in rows) else 0
+                    now = time.time()
+                    for row in rows:
+                        if row.error is None:
+                            down_since.pop(row.url, None)
+                        else:
+                            down_since.setdefault(row.url, now)
                     text = (
                         json.dumps([r.as_dict() for r in rows], indent=2)
                         if args.json
-                        else render_fleet(rows)
+                        else render_fleet(rows, down_since if args.watch else None)
                     )
                 else:
                     try:
@@ -353,17 +380,29 @@ def fleet_details(row: FleetRow) -> list[str]:
     ]
 
 
-def render_fleet(rows: list[FleetRow]) -> str:
+FLEET_ERROR_WIDTH = 60  # an unreachable row's error is cut here (the whole is in --json)
+
+
+def render_fleet(rows: list[FleetRow], down_since: dict[str, float] | None = None) -> str:
     """One line per engine under a header, in the order given (worst first).
 
     Under each reachable engine's line, indented: binding resource, traffic pattern,
     active mitigations, and the last decision with its reasons (:func:`fleet_details`).
+    An unreachable engine's line says why, cut to :data:`FLEET_ERROR_WIDTH` (a long
+    error would widen the column for every row), and with ``down_since`` (URL -> epoch
+    seconds, as ``--watch`` keeps it) since when.
     """
     table: list[tuple[str, ...]] = [FLEET_HEADER]
     details: list[list[str]] = [[]]
     for row in rows:
         if row.error is not None:
-            table.append((row.url, "UNREACHABLE", row.error, "", "", "", ""))
+            error = row.error
+            if len(error) > FLEET_ERROR_WIDTH:
+                error = error[: FLEET_ERROR_WIDTH - 1] + "\u2026"
+            since = (down_since or {}).get(row.url)
+            if since is not None:
+                error = f"since {time.strftime('%H:%M:%S', time.localtime(since))}: {error}"
+            table.append((row.url, "UNREACHABLE", error, "", "", "", ""))
             details.append([])
             continue
         details.append(fleet_details(row))
@@ -422,6 +461,7 @@ def render_status(doc: dict[str, Any]) -> str:
     )
     lines += [gpu_line(gpu) for gpu in doc.get("gpus") or []]
     lines += pressure_lines(doc)
+    lines += shed_lines(doc.get("proxy"))
     budget = doc.get("budget")
     if budget:
         verdict = "fits" if budget["fits"] else "DOES NOT FIT"
@@ -485,6 +525,29 @@ def pressure_lines(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def shed_lines(proxy: dict[str, Any] | None) -> list[str]:
+    """What the admission proxy refused with 503 since kvguard started, and the last one's why.
+
+    Admission sheds what the pool cannot hold at any level, with no mitigation in
+    force: without these lines an operator would see 503s and "no mitigation".
+    """
+    if not proxy or "requests_shed" not in proxy:
+        return []
+    shed = proxy["requests_shed"]
+    if not shed.get("total"):
+        return ["Shed     none since start"]
+    parts = [f"{reason} {count:,}" for reason, count in (shed.get("by_reason") or {}).items()]
+    parts += [f"{cls} {count:,}" for cls, count in (shed.get("by_priority") or {}).items()]
+    lines = [f"Shed     {shed['total']:,} since start ({', '.join(parts)})"]
+    last = proxy.get("last_shed")
+    if last:
+        lines.append(
+            f"         last {last['age_s']:.0f} s ago, {last['priority']} ({last['reason']}):"
+            f" {last['detail']}"
+        )
+    return lines
+
+
 def last_decision_text(pressure: dict[str, Any]) -> str | None:
     """The last decision in words: ``previous -> level: crossed; reasons`` (None: none yet)."""
     decisions = pressure.get("decisions") or []
@@ -492,7 +555,12 @@ def last_decision_text(pressure: dict[str, Any]) -> str | None:
         return None
     last = decisions[0]
     reasons = "; ".join(str(a.get("reason", a.get("kind"))) for a in last.get("actions") or [])
-    crossed = ", ".join(last.get("crossed") or []) or "nothing crossed"
+    # Each threshold is named with its level ("elevated: kv_usage …"): where that is the
+    # level decided, the line already says it ("ok -> elevated: kv_usage …").
+    prefix = f"{last.get('level')}: "
+    crossed = (
+        ", ".join(c.removeprefix(prefix) for c in last.get("crossed") or []) or "nothing crossed"
+    )
     return f"{last.get('previous_level')} -> {last.get('level')}: {crossed}" + (
         f"; {reasons}" if reasons else ""
     )

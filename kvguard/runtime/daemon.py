@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from kvguard import __version__
+from kvguard.actuators.proxy.shed_log import ShedLog
 from kvguard.config.settings import Config
 from kvguard.core import admission as admission_rules
 from kvguard.core.budget import BudgetReport
@@ -110,6 +111,8 @@ class Daemon(BudgetKeeping):
         self.brain = brain or Brain(config, dry_run=dry_run, on_event=self.notify)
         self.mitigations = self.brain.mitigations
         self.proxy = proxy
+        # The proxy's sheds, summed into a `requests_shed` line at most every 10 s.
+        self._shed_log = ShedLog(proxy.counters) if proxy is not None else None
         self.actuators = actuators
         self.supervisor = supervisor
         self.probes = probes or Probes.from_config(config, self._engine_command())
@@ -190,6 +193,10 @@ class Daemon(BudgetKeeping):
                 snapshot.taken_at,
                 admission_rules.OVERRUN_READINGS_AHEAD * self.next_interval(),
             )
+        if self._shed_log is not None:
+            shed = self._shed_log.due(self.clock())
+            if shed is not None:
+                log.info("requests_shed", **shed)
         # The engine's fresh count of what it holds may leave room for requests waiting.
         self._recheck_held_requests()
 

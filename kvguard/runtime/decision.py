@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import structlog
 
-from kvguard.actuators.dispatch import NO_RESTART_CONFIGURED
+from kvguard.actuators.dispatch import KIND_NOT_KNOWN, NO_RESTART_CONFIGURED
 from kvguard.actuators.mitigations import ASYNC_ACTIONS, Mitigations, Outcome
 from kvguard.config.settings import Config
 from kvguard.core import admission as admission_rules
@@ -186,11 +186,17 @@ class Brain:
         """The configured ladder, minus what this engine cannot do (said once, with why)."""
         policy = self.config.policy
         for kind, why in self.unavailable.items():
-            if self._said_unavailable.get(kind) != why:
+            # Before the engine's kind is known nothing is said: it is known within a
+            # tick or two of the engine answering, and then what it cannot do is said.
+            if self._said_unavailable.get(kind) != why and why != KIND_NOT_KNOWN:
                 # An opt-in left off (no restart configured for the fp8 switch) is how
                 # every default start looks: said, not warned.
                 say = log.info if why == NO_RESTART_CONFIGURED else log.warning
                 say("action_unavailable", action=kind, reason=why, falls_through=True)
+        for kind, why in self._said_unavailable.items():
+            if kind not in self.unavailable and why != KIND_NOT_KNOWN:
+                # Said unavailable once: the log must not be left saying so.
+                log.info("action_available", action=kind, was_unavailable_because=why)
         self._said_unavailable = dict(self.unavailable)
         if not self.unavailable:
             return policy

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from kvguard.actuators.dispatch import Actuators
+from kvguard.actuators.dispatch import KIND_NOT_KNOWN, Actuators
 from kvguard.actuators.engine_admin import EngineAdmin
 from kvguard.actuators.state import EnginePauseRecord, StateFile
 from kvguard.api.status import status_document
@@ -20,7 +20,10 @@ from kvguard.config.settings import parse_config
 from kvguard.core.policy import Action
 from kvguard.probes.engine import EngineProbe
 from kvguard.runtime.assembly import build_guard
+from kvguard.runtime.decision import Brain
 from kvguard.runtime.probing import Probes
+from kvguard.sim.runner import PoolSpec, size_pool, start_sim_server
+from tests.helpers import free_port
 
 
 async def _settle(actuators: Actuators) -> None:
@@ -420,3 +423,66 @@ async def test_an_opt_in_left_off_is_said_at_info_not_warned(sim_engine):
     assert said.get("kv_fp8") == "info"
     assert said.get("revert_kv_fp8") == "info"
     assert not [e for e in logs if e["log_level"] == "warning"], logs
+
+
+async def test_nothing_is_said_unavailable_before_the_engine_answers():
+    """An engine still starting (``kvguard run -- <command>``): its actions are not said missing.
+
+    Before the engine's first reading its kind is unknown, so neither the admin client
+    nor the fp8 switch is built: the actions are left off the ladder for now, but the
+    log must not say "no way to restart the engine" of an engine kvguard can restart.
+    """
+    port = free_port()
+    config = parse_config(
+        {
+            "engine": {"url": f"http://127.0.0.1:{port}"},
+            "reconfigure": {"mode": "command", "command": ["/bin/true"]},
+        },
+        env={},
+    )
+    guard = build_guard(
+        config,
+        probes=Probes(EngineProbe(config.engine.url, timeout_s=0.5), nvml=None, host=None),
+        serve_api=False,
+    )
+    daemon, actuators = guard.daemon, guard.daemon.actuators
+    assert actuators is not None
+    server = None
+    try:
+        with capture_logs() as starting:
+            await daemon.tick()  # nothing listens yet
+        assert set(daemon.brain.unavailable) == {"evict", "kv_fp8", "revert_kv_fp8"}
+        assert set(daemon.brain.unavailable.values()) == {KIND_NOT_KNOWN}
+        assert not [e for e in starting if e["event"].startswith("action_")], starting
+        # The engine answers now.
+        server = await start_sim_server(
+            size_pool(PoolSpec(kv_capacity_tokens=4096, max_model_len=2048)),
+            port=port,
+        )
+        with capture_logs() as answering:
+            await daemon.tick()
+            await daemon.tick()
+    finally:
+        await actuators.close()
+        await daemon.close()
+        if server is not None:
+            await server.stop()
+    # Evict is found out by calling it (engine_admin_unavailable); the command restarts
+    # the engine for the fp8 switch: nothing is missing, and nothing was said missing.
+    assert daemon.brain.unavailable == {}
+    assert not [e for e in answering if e["event"].startswith("action_")], answering
+
+
+def test_an_action_said_unavailable_is_said_available_again():
+    """The log is not left saying an action is missing once it is back (e.g. after a reload)."""
+    brain = Brain(parse_config({"engine": {"url": "http://127.0.0.1:9"}}, env={}))
+    with capture_logs() as logs:
+        brain.unavailable = {"evict": "vllm offers no cache eviction kvguard can call"}
+        brain._policy()
+        brain._policy()  # said once
+        brain.unavailable = {}
+        brain._policy()
+    assert [(e["event"], e["action"]) for e in logs] == [
+        ("action_unavailable", "evict"),
+        ("action_available", "evict"),
+    ]

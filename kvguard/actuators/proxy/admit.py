@@ -276,10 +276,10 @@ class Admission:
                 else self.shed(priority, request_id, self.hold_failed_reason(tracked))
             )
         if not await self.make_room(tracked) and not self.draining():
-            self._counters.shed[(priority, "kv_pool_full")] += 1
             why = self.pool_full_reason(tracked)
-            # One line per shed request would flood the log in a burst: debug level;
-            # kvguard_requests_shed_total and the `decision` event tell the story.
+            self._counters.note_shed(priority, "kv_pool_full", why)
+            # One line per shed request would flood the log in a burst: debug level; the
+            # `requests_shed` summary (at most one line each SHED_LOG_EVERY_S) tells it.
             log.debug(
                 "request_shed",
                 request_id=request_id,
@@ -735,8 +735,10 @@ class Admission:
 
     def refuse_draining(self, priority: str) -> web.StreamResponse:
         """The 503 for every class (critical too) while the engine is drained for a restart."""
-        self._counters.shed[(priority, "draining")] += 1
         retry_after = self.mitigations.drain_retry_after_s
+        self._counters.note_shed(
+            priority, "draining", "kvguard is restarting the engine to change its KV cache"
+        )
         return _error(
             503,
             f"kvguard is restarting the engine to change its KV cache; retry after {retry_after} s",
@@ -781,9 +783,14 @@ class Admission:
 
     def shed(self, priority: str, request_id: str, why: str = "") -> web.StreamResponse:
         """The 503 for a request of a class the policy sheds now (``why``: the figures)."""
-        self._counters.shed[(priority, "kv_cache_pressure")] += 1
-        # One line per shed request would flood the log in a burst: debug level;
-        # kvguard_requests_shed_total and the `decision` event tell the story.
+        self._counters.note_shed(
+            priority,
+            "kv_cache_pressure",
+            f"the pressure level is {self.mitigations.level}, which sheds {priority} traffic"
+            + (f"; {why}" if why else ""),
+        )
+        # One line per shed request would flood the log in a burst: debug level; the
+        # `requests_shed` summary (at most one line each SHED_LOG_EVERY_S) tells the story.
         log.debug(
             "request_shed",
             request_id=request_id,

@@ -8,6 +8,7 @@ importing one another.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -68,13 +69,29 @@ class ProxySettings:
     blocked_paths: tuple[str, ...] = _DEFAULTS.blocked_paths
 
 
+@dataclass(frozen=True)
+class ShedNote:
+    """The last request the proxy shed: when, its class, why (the 503's code), the figures."""
+
+    at: float  # monotonic seconds
+    priority: str
+    reason: str  # kv_pool_full, kv_cache_pressure, draining
+    detail: str  # what its 503 said, in figures a person can check
+
+
 class ProxyCounters:
-    """What the proxy did, for the exporter."""
+    """What the proxy did, for the exporter, ``/status`` and the log."""
 
     def __init__(self) -> None:
         self.shed: Counter[tuple[str, str]] = Counter()  # (priority, reason)
+        self.last_shed: ShedNote | None = None
         self.clamped = 0
         self.rejected: Counter[str] = Counter()  # reason (window caps, malformed requests)
         # reason: largest, overrun, drain (present from the start: 0 is not absent)
         self.cancelled: Counter[str] = Counter({"largest": 0, "overrun": 0, "drain": 0})
         self.upstream_errors: Counter[str] = Counter()  # 408/413/503 (body), 502/504
+
+    def note_shed(self, priority: str, reason: str, detail: str) -> None:
+        """Count one shed request and keep it as the last, with why (``detail``)."""
+        self.shed[(priority, reason)] += 1
+        self.last_shed = ShedNote(time.monotonic(), priority, reason, detail)
