@@ -11,6 +11,7 @@ import inspect
 import json
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -82,3 +83,18 @@ def _no_constant(name: str) -> None:
 def strict_json(line: str | bytes) -> object:
     """One line parsed as strict JSON: ``NaN``/``Infinity`` refused, as log shippers do."""
     return json.loads(line, parse_constant=_no_constant)
+
+
+def json_log_events(path: Path) -> list[dict[str, object]]:
+    """The events of a kvguard JSON log file, every JSON line parsed strictly.
+
+    Lines that are not JSON objects (a supervised engine's own output, sharing the
+    stream) are skipped; a JSON line a strict parser refuses fails the test.
+    """
+    events = []
+    for line in path.read_bytes().splitlines():
+        if line.startswith(b"{"):
+            event = strict_json(line)
+            assert isinstance(event, dict), line
+            events.append(event)
+    return events

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import free_port, strict_json, until
+from tests.helpers import free_port, json_log_events, until
 
 # Long wall-clock runs (20 s to minutes): the second stage of scripts/test.sh.
 pytestmark = pytest.mark.slow
@@ -82,12 +82,6 @@ async def _metric(http: aiohttp.ClientSession, api: str, name: str, **labels: st
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
     return None
-
-
-def _events_logged(path: Path) -> set[str]:
-    """The events of a JSON log, each line parsed strictly (a shipper drops a line that is not)."""
-    lines = [strict_json(line) for line in path.read_bytes().splitlines() if line.startswith(b"{")]
-    return {line["event"] for line in lines if isinstance(line, dict)}
 
 
 async def test_sustained_pressure_switches_to_fp8_and_calm_reverts(tmp_path: Path):
@@ -178,7 +172,8 @@ async def test_sustained_pressure_switches_to_fp8_and_calm_reverts(tmp_path: Pat
             kvguard.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(kvguard.wait(), 30)
     assert code == 0
-    assert {"drain_started", "reconfigured", "pressure_level_changed"} <= _events_logged(log_path)
+    said = {event["event"] for event in json_log_events(log_path)}
+    assert {"drain_started", "reconfigured", "pressure_level_changed"} <= said, said
     assert len(engine_pids) == 3  # the original, the fp8 one, the reverted one
     for pid in engine_pids:  # the engine never outlives kvguard
         try:

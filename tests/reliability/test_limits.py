@@ -46,7 +46,7 @@ from kvguard.probes.engine import EngineProbe
 from kvguard.runtime.assembly import ClientLimits, listen
 from kvguard.runtime.daemon import Daemon
 from kvguard.runtime.probing import Probes
-from tests.helpers import free_port, until
+from tests.helpers import free_port, json_log_events, until
 
 KVGUARD = str(Path(sys.executable).parent / "kvguard")
 MiB = 1024 * 1024
@@ -560,9 +560,11 @@ async def test_sigterm_exits_within_the_grace_with_an_unfinished_body(sim_engine
         "shutdown_grace_s = 1\nclient_body_timeout_s = 120\n"
         '[log]\nformat = "json"\n'
     )
-    proc = await asyncio.create_subprocess_exec(
-        KVGUARD, "run", "--config", str(config), stderr=asyncio.subprocess.DEVNULL
-    )
+    log_path = tmp_path / "kvguard.log"
+    with log_path.open("wb") as log_file:  # its log, every line checked strictly at the end
+        proc = await asyncio.create_subprocess_exec(
+            KVGUARD, "run", "--config", str(config), stderr=log_file
+        )
     try:
         await until(lambda: _listening(proxy_port), timeout_s=20)
         _, writer = await asyncio.open_connection("127.0.0.1", proxy_port)
@@ -581,6 +583,9 @@ async def test_sigterm_exits_within_the_grace_with_an_unfinished_body(sim_engine
     assert code == 0
     logging.getLogger(__name__).info("exit after SIGTERM: %.2f s", took)
     assert took < 1 + 4  # the grace, and the rest of a clean stop
+    said = [event["event"] for event in json_log_events(log_path)]
+    assert said[-1] == "stopped", said
+    assert "started" in said, said
 
 
 async def _listening(port: int) -> bool:
@@ -652,9 +657,11 @@ async def test_a_flood_of_maximal_bodies_stays_in_memory_and_keeps_the_loop(upst
     )
     defaults = ProxySettings(upstream=url)
     bodies = flood_bodies(defaults.max_body_bytes, defaults.max_body_values)
-    proc = await asyncio.create_subprocess_exec(
-        KVGUARD, "run", "--config", str(config), stderr=asyncio.subprocess.DEVNULL
-    )
+    log_path = tmp_path / "kvguard.log"
+    with log_path.open("wb") as log_file:  # its log, every line checked strictly at the end
+        proc = await asyncio.create_subprocess_exec(
+            KVGUARD, "run", "--config", str(config), stderr=log_file
+        )
     answers: Counter[tuple[str, int]] = Counter()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
@@ -691,6 +698,7 @@ async def test_a_flood_of_maximal_bodies_stays_in_memory_and_keeps_the_loop(upst
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 30)
+    assert "started" in [event["event"] for event in json_log_events(log_path)]
     measured = f"peak RSS {peak / MiB:.1f} MiB, loop lag max {lag * 1000:.0f} ms, {dict(answers)}"
     logging.getLogger(__name__).info("flood: %s", measured)  # shown with -o log_cli=true
     assert sum(answers.values()) == 32 * len(bodies)
