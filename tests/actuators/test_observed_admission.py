@@ -20,6 +20,7 @@ from kvguard.actuators.accounting import InflightRequest
 from kvguard.actuators.mitigations import Mitigations
 from kvguard.actuators.proxy import AdmissionProxy, ProxySettings
 from kvguard.sim.openai_api import SIM_OUTPUT_TOKENS_FIELD
+from tests.helpers import until
 
 
 @pytest.fixture
@@ -527,7 +528,12 @@ def test_an_engine_that_preempts_is_left_to_preempt():
 
 
 async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_to):
-    """One request fills the pool; when it ends, critical goes first, then the newest standard."""
+    """One request fills the pool; when it ends, critical goes first, then the newest standard.
+
+    Nothing is learned yet (each reserves its max_tokens): a sheddable request that came
+    while a standard one waited waits too (a 503 at once would be a false alarm of the
+    prior, see the next test), and goes last.
+    """
     server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
     mitigations = Mitigations(pool_tokens=1000, block_size=16)
     url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=10)
@@ -547,8 +553,8 @@ async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_
         await _one_in_flight(proxy)
         waiting = []
         for name, priority in (
-            ("sheddable", "sheddable"),
             ("older", "standard"),
+            ("sheddable", "sheddable"),
             ("newer", "standard"),
             ("critical", "critical"),
         ):
@@ -558,7 +564,6 @@ async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_
                     break
                 await asyncio.sleep(0.005)
         await asyncio.gather(first, *waiting)
-    # The sheddable one came before any higher class waited: it waits, behind them.
     assert order == ["first", "critical", "newer", "older", "sheddable"]
 
 
@@ -567,29 +572,36 @@ async def test_a_lower_class_is_not_held_behind_a_higher_class_waiting(sim_serve
 
     The room that frees goes to the higher class first: held, the lower one would get
     its 503 only at its wait's end, or go in that late, after the queue ahead of it.
-    Critical requests always wait (they are never refused for room they can have).
+    Once the answers' lengths are learned (the pool's fullness is measured, not the
+    prior's guess). Critical requests always wait (never refused for room they can have).
     """
     server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
     mitigations = Mitigations(pool_tokens=1000, block_size=16)
-    url, proxy = await proxy_to(server.url, mitigations, admission_ratio=1.0, admission_wait_s=10)
+    url, proxy = await proxy_to(
+        server.url, mitigations, admission_ratio=1.0, admission_wait_s=10, reserve_min_samples=5
+    )
 
-    async def send(http: aiohttp.ClientSession, priority: str) -> tuple[int, dict[str, Any]]:
+    async def send(
+        http: aiohttp.ClientSession, priority: str, prompt: int
+    ) -> tuple[int, dict[str, Any]]:
+        payload = {"prompt": [7] * prompt, "max_tokens": 100, SIM_OUTPUT_TOKENS_FIELD: 20}
         async with http.post(
-            f"{url}/v1/completions", json=body(10, 700, 30), headers={"X-Priority": priority}
+            f"{url}/v1/completions", json=payload, headers={"X-Priority": priority}
         ) as resp:
             return resp.status, await resp.json()
 
     async with aiohttp.ClientSession() as http:
-        first = asyncio.ensure_future(send(http, "standard"))
+        # Five answers of 20 tokens: the route's lengths are learned (every class's).
+        learned = await asyncio.gather(*(send(http, "standard", 50) for _ in range(5)))
+        assert [status for status, _ in learned] == [200] * 5
+        first = asyncio.ensure_future(send(http, "standard", 850))  # ~880 of the 1,000
         await _one_in_flight(proxy)
-        critical = asyncio.ensure_future(send(http, "critical"))
-        for _ in range(200):
-            if proxy.waiting == 1:
-                break
-            await asyncio.sleep(0.005)
-        assert proxy.waiting == 1
+        critical = asyncio.ensure_future(send(http, "critical", 500))
+        await until(lambda: proxy.waiting == 1, what="the critical request waits for room")
         started = asyncio.get_running_loop().time()
-        standard, shed = await asyncio.gather(send(http, "standard"), send(http, "sheddable"))
+        standard, shed = await asyncio.gather(
+            send(http, "standard", 200), send(http, "sheddable", 200)
+        )
         assert asyncio.get_running_loop().time() - started < 1.0  # not after its 10 s wait
         for status, answer in (standard, shed):
             assert status == 503

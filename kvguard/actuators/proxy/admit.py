@@ -1028,14 +1028,20 @@ class Admission:
         pool = mitigations.pool_tokens
         if not critical and pool is not None and own > pool * terms.ratio:
             return False  # it could never fit: waiting would only block the others
-        tracked.passed_over_for = None if critical else self.higher_class_waiting(own_rank)
+        # Room that frees goes to the higher class first: this one could go in only once
+        # that queue is gone, the likeliest moment for the next burst. Held, it would get
+        # its 503 after the wait (its client's retry later still) and, admitted that
+        # late, take room from fresher requests for an answer its client may no longer
+        # want. Its 503 now lets the client retry or go elsewhere while that is still
+        # worth it. Not while its kind's lengths are unknown: reserved at max_tokens (a
+        # guess that errs high), the pool looks full long before it is, and the queue
+        # ahead clears as soon as a few answers end (a 503 then would be a false alarm
+        # on traffic that fits, at every start).
+        learned = tracked.expected_output is not None
+        tracked.passed_over_for = (
+            self.higher_class_waiting(own_rank) if learned and not critical else None
+        )
         if tracked.passed_over_for is not None:
-            # Room that frees goes to the higher class first: this one could go in only
-            # once that queue is gone, the likeliest moment for the next burst. Held,
-            # it would get its 503 after the wait (its client's retry later still) and,
-            # admitted that late, take room from fresher requests for an answer its
-            # client may no longer want. Its 503 now lets the client retry or go
-            # elsewhere while that is still worth it.
             return False
         waiting = self._waiting_ranks.setdefault(own_rank, {})
         waiting[ticket] = tracked
