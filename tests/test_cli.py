@@ -424,7 +424,7 @@ async def test_status_of_several_kvguards_ranks_them_worst_first(fleet):
     rows[0] = dataclasses.replace(rows[0], error="cannot read " + "x" * 200)
     watched = engine_lines(render_fleet(rows, {dead: time.time() - 60}))
     assert len(watched[2]) < 180  # not 200 wide for the error alone
-    assert re.search(r"UNREACHABLE +since \d\d:\d\d:\d\d: cannot read x+\u2026", watched[1])
+    assert re.search(r"UNREACHABLE +seen since \d\d:\d\d:\d\d: cannot read x+\u2026", watched[1])
 
 
 def engine_lines(text: str) -> list[str]:
@@ -1057,3 +1057,8 @@ def test_an_unknown_flag_points_at_the_commands_own_help(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments: --bogus (see kvguard run --help)" in err
+    with pytest.raises(SystemExit):
+        main(["--bogus", "status"])  # before the command's name: kvguard's own
+    assert "kvguard: error: unrecognized arguments: --bogus (see kvguard --help)" in (
+        capsys.readouterr().err
+    )

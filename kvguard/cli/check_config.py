@@ -71,7 +71,8 @@ def run_check_config(args: argparse.Namespace) -> int:
     if hidden:
         print(
             f"kvguard check-config: note: {', '.join(hidden)} may hold secrets: not printed;"
-            f" they stay as {config.source} sets them",
+            f" they stay as {config.source} sets them (copy them from there for the output"
+            " to read back as the same configuration)",
             file=sys.stderr,
         )
     tables = file_form(config)

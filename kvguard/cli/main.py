@@ -307,8 +307,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        # Said by the command's own parser: its --help is the one that lists its flags.
-        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
+        # Said by the command's own parser, whose --help lists its flags: where every
+        # stray word came after the command's name (`kvguard --bogus run` is kvguard's).
+        words = list(sys.argv[1:] if argv is None else argv)
+        before = words[: words.index(args.command)] if args.command in words else words
+        owner = parser if any(word in before for word in extra) else None
+        (owner or _command_parser(parser, args.command)).error(
+            f"unrecognized arguments: {' '.join(extra)}"
+        )
     if args.command is None:
         parser.print_help()
         return EXIT_BAD_INPUT

@@ -390,7 +390,7 @@ def render_fleet(rows: list[FleetRow], down_since: dict[str, float] | None = Non
     active mitigations, and the last decision with its reasons (:func:`fleet_details`).
     An unreachable engine's line says why, cut to :data:`FLEET_ERROR_WIDTH` (a long
     error would widen the column for every row), and with ``down_since`` (URL -> epoch
-    seconds, as ``--watch`` keeps it) since when.
+    seconds, as ``--watch`` keeps it) since when this watch has seen it unreachable.
     """
     table: list[tuple[str, ...]] = [FLEET_HEADER]
     details: list[list[str]] = [[]]
@@ -400,8 +400,8 @@ def render_fleet(rows: list[FleetRow], down_since: dict[str, float] | None = Non
             if len(error) > FLEET_ERROR_WIDTH:
                 error = error[: FLEET_ERROR_WIDTH - 1] + "\u2026"
             since = (down_since or {}).get(row.url)
-            if since is not None:
-                error = f"since {time.strftime('%H:%M:%S', time.localtime(since))}: {error}"
+            if since is not None:  # when this watch first found it down, not when it went
+                error = f"seen since {time.strftime('%H:%M:%S', time.localtime(since))}: {error}"
             table.append((row.url, "UNREACHABLE", error, "", "", "", ""))
             details.append([])
             continue
@@ -536,9 +536,9 @@ def shed_lines(proxy: dict[str, Any] | None) -> list[str]:
     shed = proxy["requests_shed"]
     if not shed.get("total"):
         return ["Shed     none since start"]
-    parts = [f"{reason} {count:,}" for reason, count in (shed.get("by_reason") or {}).items()]
-    parts += [f"{cls} {count:,}" for cls, count in (shed.get("by_priority") or {}).items()]
-    lines = [f"Shed     {shed['total']:,} since start ({', '.join(parts)})"]
+    reasons = ", ".join(f"{r} {n:,}" for r, n in (shed.get("by_reason") or {}).items())
+    classes = ", ".join(f"{c} {n:,}" for c, n in (shed.get("by_priority") or {}).items())
+    lines = [f"Shed     {shed['total']:,} since start (by reason: {reasons}; by class: {classes})"]
     last = proxy.get("last_shed")
     if last:
         lines.append(

@@ -193,10 +193,7 @@ class Daemon(BudgetKeeping):
                 snapshot.taken_at,
                 admission_rules.OVERRUN_READINGS_AHEAD * self.next_interval(),
             )
-        if self._shed_log is not None:
-            shed = self._shed_log.due(self.clock())
-            if shed is not None:
-                log.info("requests_shed", **shed)
+        self._say_shed()
         # The engine's fresh count of what it holds may leave room for requests waiting.
         self._recheck_held_requests()
 
@@ -434,8 +431,16 @@ class Daemon(BudgetKeeping):
         """The supervised engine's command line (it says llama.cpp's cache layout), if any."""
         return self.supervisor.argv if self.supervisor is not None else None
 
+    def _say_shed(self, *, final: bool = False) -> None:
+        """Log what the proxy shed since the last ``requests_shed`` line, when it is due."""
+        if self._shed_log is not None:
+            shed = self._shed_log.due(self.clock(), final=final)
+            if shed is not None:
+                log.info("requests_shed", **shed)
+
     async def close(self) -> None:
         """Release every probe's resources (and wait for probes replaced by reloads)."""
+        self._say_shed(final=True)  # a burst's sheds not yet said are not left unsaid
         await asyncio.gather(*self._closing, return_exceptions=True)
         await self._close_probes(self.probes)
 

@@ -68,8 +68,23 @@ def test_sheds_before_the_log_began_are_not_said_again():
     """A log begun on counters that already counted sheds says only what comes after."""
     counters = ProxyCounters()
     counters.note_shed("sheddable", "draining", "restarting")
-    shed_log = ShedLog(counters)  # e.g. the daemon rebuilt after a reload
+    shed_log = ShedLog(counters)
     assert shed_log.due(0.0) is None
+
+
+def test_what_was_not_said_yet_is_said_when_kvguard_stops():
+    """Sheds held back by the interval are said in a last line (``final``), not lost."""
+    counters = ProxyCounters()
+    shed_log = ShedLog(counters)
+    counters.note_shed("sheddable", "kv_pool_full", "a")
+    assert shed_log.due(0.0) is not None
+    counters.note_shed("sheddable", "kv_pool_full", "b")
+    assert shed_log.due(0.5) is None  # mid-burst, the last line 0.5 s old
+    counters.note_shed("sheddable", "kv_pool_full", "c")
+    last = shed_log.due(0.6, final=True)
+    assert last is not None
+    assert (last["shed"], last["last_detail"]) == (2, "c")
+    assert shed_log.due(0.7, final=True) is None
 
 
 async def test_a_shed_request_is_seen_in_status_in_kvguard_status_and_in_the_log():
@@ -119,5 +134,5 @@ async def test_a_shed_request_is_seen_in_status_in_kvguard_status_and_in_the_log
     assert (line["shed"], line["last_reason"]) == (1, "kv_pool_full")
     assert line["last_detail"] == last["detail"]
     text = render_status(doc)
-    assert "Shed     1 since start (kv_pool_full 1, sheddable 1)" in text
+    assert "Shed     1 since start (by reason: kv_pool_full 1; by class: sheddable 1)" in text
     assert f"sheddable (kv_pool_full): {last['detail']}" in text

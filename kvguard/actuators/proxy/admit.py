@@ -703,8 +703,10 @@ class Admission:
             return f"it alone reserves {own:,} tokens, more than {of}{sized}"
         why = f"projected {with_it:,} of {of} with it"
         if tracked.passed_over_for is not None:
+            # It may fit the room left now: the higher class waiting is next all the same.
+            but = " (it would fit the room left now), but" if with_it <= limit else ", and"
             return (
-                f"{why}, and {tracked.passed_over_for} requests are waiting for room ahead of"
+                f"{why}{but} {tracked.passed_over_for} requests are waiting for room ahead of"
                 f" it (room goes to the higher class first), so it was not held{sized}"
             )
         if with_it < projection.summed + own:
@@ -786,8 +788,8 @@ class Admission:
         self._counters.note_shed(
             priority,
             "kv_cache_pressure",
-            f"the pressure level is {self.mitigations.level}, which sheds {priority} traffic"
-            + (f"; {why}" if why else ""),
+            f"the ladder sheds classes up to {self.mitigations.shed_floor or priority}"
+            f" (pressure level {self.mitigations.level})" + (f"; {why}" if why else ""),
         )
         # One line per shed request would flood the log in a burst: debug level; the
         # `requests_shed` summary (at most one line each SHED_LOG_EVERY_S) tells the story.
@@ -1037,10 +1039,15 @@ class Admission:
         # guess that errs high), the pool looks full long before it is, and the queue
         # ahead clears as soon as a few answers end (a 503 then would be a false alarm
         # on traffic that fits, at every start).
+        # (Under "projected" nothing is learned: every request is reserved at max_tokens.)
         learned = tracked.expected_output is not None
         tracked.passed_over_for = (
             self.higher_class_waiting(own_rank) if learned and not critical else None
         )
+        if tracked.passed_over_for is not None and self._someone_fits():
+            # The higher class is about to go in (woken, not yet resumed): the queue
+            # ahead is clearing, so this one waits like any other.
+            tracked.passed_over_for = None
         if tracked.passed_over_for is not None:
             return False
         waiting = self._waiting_ranks.setdefault(own_rank, {})

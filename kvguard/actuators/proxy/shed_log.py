@@ -3,10 +3,11 @@
 One line per shed request would flood the log in a burst (thousands a second), and
 none at all leaves an operator no trace of why clients got 503s: the counters tell
 how many, not why. So the daemon asks each tick (:meth:`ShedLog.due`): the first shed
-is logged at once, then the sheds since are summed into one line at most every
-:data:`SHED_LOG_EVERY_S` while shedding goes on, and once more on the first tick
-that sheds nothing new (so the tail of a burst is not left unsaid). Each line names
-the classes and reasons, and the last shed request's figures (what its 503 said).
+since kvguard started is logged at once, then the sheds since are summed into one
+line at most every :data:`SHED_LOG_EVERY_S` while shedding goes on, once more on the
+first tick that sheds nothing new (so the tail of a burst is not left unsaid), and
+when kvguard stops. Each line names the classes and reasons, and the last shed
+request's figures (what its 503 said).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 from kvguard.actuators.proxy.settings import ProxyCounters
 
+# A burst of sheds is one line per 10 s however many thousands it refuses: short enough
+# to follow a burst as it goes, long enough that a long one stays a handful of lines.
 SHED_LOG_EVERY_S = 10.0
 
 
@@ -29,11 +32,12 @@ class ShedLog:
         self._logged_at: float | None = None
         self._seen_total = sum(counters.shed.values())
 
-    def due(self, now: float) -> dict[str, Any] | None:
+    def due(self, now: float, *, final: bool = False) -> dict[str, Any] | None:
         """The fields of the line to write at ``now`` (monotonic seconds), or None.
 
         None while nothing was shed since the last line, or while shedding goes on
-        and the last line is younger than :attr:`every_s`.
+        and the last line is younger than :attr:`every_s`. ``final`` (kvguard stops):
+        whatever was not said yet, now.
         """
         shed = self._counters.shed
         total = sum(shed.values())
@@ -45,7 +49,7 @@ class ShedLog:
         if not new:
             return None
         recent = self._logged_at is not None and now - self._logged_at < self.every_s
-        if still_shedding and recent:
+        if still_shedding and recent and not final:
             return None
         by_priority: Counter[str] = Counter()
         by_reason: Counter[str] = Counter()
