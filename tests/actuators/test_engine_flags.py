@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvguard.actuators.engine_flags import (
+    flash_attention,
     fp8_flags,
     is_8bit,
     kv_dtype_of,
@@ -43,13 +44,13 @@ from kvguard.errors import InvalidInputError
         ),
         (
             "llamacpp",
-            ["llama-server", "-m", "m.gguf", "-ctk", "f16", "--cache-type-v=f16", "-c", "4096"],
+            ["llama-server", "-m", "m.gguf", "-ctk", "f16", "--cache-type-v=f16", "-fa", "on"],
             [
                 "llama-server",
                 "-m",
                 "m.gguf",
-                "-c",
-                "4096",
+                "-fa",
+                "on",
                 "--cache-type-k",
                 "q8_0",
                 "--cache-type-v",
@@ -104,9 +105,44 @@ def test_llamacpp_without_flash_attention_quantizes_only_the_k_cache(fa):
 
 
 @pytest.mark.parametrize(
-    "fa", [[], ["-fa", "on"], ["--flash-attn", "auto"], ["-fa", "off", "-fa", "on"]]
+    "fa", [["-fa", "on"], ["--flash-attn=enabled"], ["-fa", "off", "-fa", "1"]]
 )
-def test_llamacpp_with_flash_attention_on_or_auto_quantizes_both(fa):
-    """On, auto (llama.cpp then turns it on for a quantized V cache) or unset: K and V."""
+def test_llamacpp_with_flash_attention_on_quantizes_both(fa):
+    """Flash attention asked for: K and V quantized, the command's flag left as it is."""
     argv = ["llama-server", "-m", "m.gguf", *fa]
-    assert with_fp8(argv, "llamacpp")[-4:] == ["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"]
+    assert with_fp8(argv, "llamacpp") == [
+        *argv,
+        *("--cache-type-k", "q8_0", "--cache-type-v", "q8_0"),
+    ]
+
+
+@pytest.mark.parametrize("fa", [[], ["--flash-attn", "auto"], ["-fa", "off", "-fa", "auto"]])
+def test_llamacpp_left_to_auto_gets_flash_attention_on_with_its_quantized_v(fa):
+    """Auto turns flash attention off where a device lacks it: kvguard asks for it outright."""
+    argv = ["llama-server", "-m", "m.gguf", *fa]
+    fp8 = with_fp8(argv, "llamacpp")
+    assert fp8[-6:] == [
+        *("--cache-type-k", "q8_0", "--cache-type-v", "q8_0"),
+        *("--flash-attn", "on"),
+    ]
+    assert flash_attention(fp8, {}) == "on"
+
+
+def test_llamacpp_reads_flash_attention_from_its_environment_under_the_command_line():
+    """LLAMA_ARG_FLASH_ATTN counts where the command names no flag; the flag wins over it."""
+    argv = ["llama-server", "-m", "m.gguf"]
+    assert with_fp8(argv, "llamacpp", {"LLAMA_ARG_FLASH_ATTN": "off"}) == [
+        *argv,
+        *("--cache-type-k", "q8_0"),
+    ]
+    assert with_fp8(argv, "llamacpp", {"LLAMA_ARG_FLASH_ATTN": "on"}) == [
+        *argv,
+        *("--cache-type-k", "q8_0", "--cache-type-v", "q8_0"),
+    ]
+    on = ["llama-server", "-fa", "on"]
+    assert with_fp8(on, "llamacpp", {"LLAMA_ARG_FLASH_ATTN": "off"})[-2:] == [
+        "--cache-type-v",
+        "q8_0",
+    ]
+    assert flash_attention(argv, {}) == "auto"
+    assert flash_attention(argv, {"LLAMA_ARG_FLASH_ATTN": "true"}) == "on"

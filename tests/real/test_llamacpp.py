@@ -490,7 +490,7 @@ async def supervised(tmp_path: Path):
 @pytest.mark.real_engine
 @requires_llamacpp
 async def test_fp8_equivalent_restart_in_supervisor_mode_and_revert(supervised: Supervised):
-    """Drain through the proxy, restart with q8_0 K and V, serve, then revert to f16."""
+    """Drain through the proxy, restart with q8_0 K and V (flash attention on), then revert."""
     rig = supervised
     first = await rig.healthy()
     original = list(rig.supervisor.argv)
@@ -528,10 +528,15 @@ async def test_fp8_equivalent_restart_in_supervisor_mode_and_revert(supervised: 
         assert "cache dtype unreported" in result.detail
         assert not rig.proxy.mitigations.draining  # re-admitting
         fp8 = await rig.healthy()
-        assert rig.supervisor.argv == [*original, *FP8_FLAGS["llamacpp"]]
+        # The command left flash attention to llama.cpp (auto): kvguard asks for it with
+        # the quantized V cache, which needs it.
+        assert rig.supervisor.argv == [*original, *FP8_FLAGS["llamacpp"], "--flash-attn", "on"]
         # Verified from the process's argv (psutil) and from llama.cpp's own log line.
         cmdline = rig.cmdline()
-        assert cmdline[-4:] == ["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"]
+        assert cmdline[-6:] == [
+            *("--cache-type-k", "q8_0", "--cache-type-v", "q8_0"),
+            *("--flash-attn", "on"),
+        ]
         lines = rig.kv_lines()
         assert [(m["k"], m["v"]) for m in lines] == [("f16", "f16"), ("q8_0", "q8_0")]
         f16_mib, q8_mib = float(lines[0]["mib"]), float(lines[1]["mib"])
@@ -549,6 +554,7 @@ async def test_fp8_equivalent_restart_in_supervisor_mode_and_revert(supervised: 
     await rig.healthy()
     assert rig.supervisor.argv == original
     assert "--cache-type-k" not in rig.cmdline()
+    assert "--flash-attn" not in rig.cmdline()
     assert [(m["k"], m["v"]) for m in rig.kv_lines()][-1] == ("f16", "f16")
     assert reconfigurer.results[("kv_fp8", "succeeded")] == 1
     assert reconfigurer.results[("revert_kv_fp8", "succeeded")] == 1
