@@ -1,6 +1,6 @@
 """Relative links of the docs and reports: the file exists, and a ``#anchor`` names a heading.
 
-The pages are README.md, docs/*.md and bench/results/**/*.md. Those under bench/results/
+The pages are README.md, docs/**/*.md and bench/results/**/*.md. Those under bench/results/
 are the reports a partial benchmark run writes beside its figures (bench/report.py):
 their plots and links resolve from there, not from docs/.
 
@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [
     ROOT / "README.md",
-    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "docs").glob("**/*.md")),
     *sorted((ROOT / "bench" / "results").glob("**/*.md")),
 ]
 

@@ -139,7 +139,7 @@ def _held(slot: dict[str, Any]) -> int:
         # Newer llama.cpp: n_prompt_tokens is the slot's whole token list, generated
         # tokens included; the prompt is what came from the cache plus what was processed.
         return processed + (_count(slot.get("n_prompt_tokens_cache")) or 0) + _decoded(slot)
-    # Older llama.cpp (docs/engines.md, "llama.cpp"): n_prompt_tokens is the prompt alone.
+    # Older llama.cpp (docs/engines/llamacpp.md): n_prompt_tokens is the prompt alone.
     return (_count(slot.get("n_prompt_tokens")) or 0) + _decoded(slot)
 
 

@@ -19,7 +19,7 @@ format; the body says which one kvguard faces:
 An empty list means no iteration was reported since the last read: not an idle or
 empty cache. That answer keeps the capacity of the previous reading (it changes only
 when the engine restarts) and leaves usage, used tokens and the request counts
-unknown. Names and meanings are in docs/engines.md, "TensorRT-LLM".
+unknown. Names and meanings are in docs/engines/tensorrt-llm.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """vLLM (v1 engine): ``vllm:*`` series into :class:`EngineStats`.
 
-Names and meanings are in docs/engines.md, "vLLM". Data-parallel deployments label
+Names and meanings are in docs/engines/vllm.md. Data-parallel deployments label
 every series with ``engine="0"``, ``"1"``, …: counts, counters and capacity are
 added over engines, and the usage ratio is the highest engine's (the one that
 preempts first). Each engine's own figures are kept beside the sums, one
