@@ -573,7 +573,9 @@ async def test_a_lower_class_is_not_held_behind_a_higher_class_waiting(sim_serve
     The room that frees goes to the higher class first: held, the lower one would get
     its 503 only at its wait's end, or go in that late, after the queue ahead of it.
     Once the answers' lengths are learned (the pool's fullness is measured, not the
-    prior's guess). Critical requests always wait (never refused for room they can have).
+    prior's guess). One the room left now would hold waits for the order like any
+    other (the pool is not what holds it). Critical requests always wait (never
+    refused for room they can have).
     """
     server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.002)
     mitigations = Mitigations(pool_tokens=1000, block_size=16)
@@ -599,6 +601,7 @@ async def test_a_lower_class_is_not_held_behind_a_higher_class_waiting(sim_serve
         critical = asyncio.ensure_future(send(http, "critical", 500))
         await until(lambda: proxy.waiting == 1, what="the critical request waits for room")
         started = asyncio.get_running_loop().time()
+        small = asyncio.ensure_future(send(http, "standard", 30))  # ~64: fits the ~120 left
         standard, shed = await asyncio.gather(
             send(http, "standard", 200), send(http, "sheddable", 200)
         )
@@ -610,6 +613,7 @@ async def test_a_lower_class_is_not_held_behind_a_higher_class_waiting(sim_serve
             assert "critical requests are waiting for room ahead of it" in message
         assert (await first)[0] == 200
         assert (await critical)[0] == 200  # it waited, and went in once the first ended
+        assert (await small)[0] == 200  # held behind the critical one, not shed
     assert proxy.counters.shed[("standard", "kv_pool_full")] == 1
     assert proxy.counters.shed[("sheddable", "kv_pool_full")] == 1
 

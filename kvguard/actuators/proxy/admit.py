@@ -703,10 +703,8 @@ class Admission:
             return f"it alone reserves {own:,} tokens, more than {of}{sized}"
         why = f"projected {with_it:,} of {of} with it"
         if tracked.passed_over_for is not None:
-            # It may fit the room left now: the higher class waiting is next all the same.
-            but = " (it would fit the room left now), but" if with_it <= limit else ", and"
             return (
-                f"{why}{but} {tracked.passed_over_for} requests are waiting for room ahead of"
+                f"{why}, and {tracked.passed_over_for} requests are waiting for room ahead of"
                 f" it (room goes to the higher class first), so it was not held{sized}"
             )
         if with_it < projection.summed + own:
@@ -1030,23 +1028,28 @@ class Admission:
         pool = mitigations.pool_tokens
         if not critical and pool is not None and own > pool * terms.ratio:
             return False  # it could never fit: waiting would only block the others
-        # Room that frees goes to the higher class first: this one could go in only once
-        # that queue is gone, the likeliest moment for the next burst. Held, it would get
-        # its 503 after the wait (its client's retry later still) and, admitted that
-        # late, take room from fresher requests for an answer its client may no longer
-        # want. Its 503 now lets the client retry or go elsewhere while that is still
-        # worth it. Not while its kind's lengths are unknown: reserved at max_tokens (a
-        # guess that errs high), the pool looks full long before it is, and the queue
-        # ahead clears as soon as a few answers end (a 503 then would be a false alarm
-        # on traffic that fits, at every start).
+        # Room that frees goes to the higher class first: a request the pool has no room
+        # for now could go in only once that queue is gone, the likeliest moment for the
+        # next burst. Held, it would get its 503 after the wait (its client's retry later
+        # still) and, admitted that late, take room from fresher requests for an answer
+        # its client may no longer want. Its 503 now lets the client retry or go
+        # elsewhere while that is still worth it. Not while its kind's lengths are
+        # unknown: reserved at max_tokens (a guess that errs high), the pool looks full
+        # long before it is, and the queue ahead clears as soon as a few answers end (a
+        # 503 then would be a false alarm on traffic that fits, at every start).
         # (Under "projected" nothing is learned: every request is reserved at max_tokens.)
         learned = tracked.expected_output is not None
         tracked.passed_over_for = (
             self.higher_class_waiting(own_rank) if learned and not critical else None
         )
-        if tracked.passed_over_for is not None and self._someone_fits():
-            # The higher class is about to go in (woken, not yet resumed): the queue
-            # ahead is clearing, so this one waits like any other.
+        if tracked.passed_over_for is not None and (
+            self._someone_fits() or self._fits_room_left(tracked, own)
+        ):
+            # The higher class is about to go in (woken, not yet resumed), or the pool
+            # has room for this one now and it waits only for the order: what holds it
+            # is not the pool, and the queue ahead goes as soon as room frees for it (a
+            # 503 at once shed such requests on mixed traffic, where a large critical
+            # one waits while small ones would still fit).
             tracked.passed_over_for = None
         if tracked.passed_over_for is not None:
             return False
@@ -1065,6 +1068,18 @@ class Admission:
             # oldest run out their wait with room to spare.
             if not admitted or self._someone_fits():
                 self.wake()
+
+    def _fits_room_left(self, tracked: InflightRequest, own: int) -> bool:
+        """Whether a request that is not critical fits the room left now, queues aside."""
+        projection = self.projection()
+        return rules.admits(
+            projection.summed,
+            own,
+            self.mitigations.pool_tokens,
+            self._terms(critical=False).ratio,
+            critical=False,
+            with_it=projection.with_it(tracked, self._limit(critical=False)),
+        )
 
     def higher_class_waiting(self, own_rank: int) -> str | None:
         """The highest class above ``own_rank`` with requests waiting for room, or None."""
