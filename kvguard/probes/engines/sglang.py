@@ -3,7 +3,7 @@
 SGLang reports its KV pool in tokens (``max_total_num_tokens``, ``num_used_tokens``)
 and pages of ``page_size`` tokens; it has no ``cache_config_info``. What follows is
 read from SGLang 0.5.23 (``srt/observability/metrics_collector.py``,
-``SchedulerMetricsCollector``); docs/engines/sglang.md, has the line numbers.
+``SchedulerMetricsCollector``); docs/engines/sglang.md has the line numbers.
 
 Every scheduler process writes its own series, labelled ``model_name``,
 ``engine_type``, ``tp_rank``, ``pp_rank``, ``moe_ep_rank`` (and ``dp_rank`` with data
