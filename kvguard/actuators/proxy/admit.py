@@ -1071,14 +1071,19 @@ class Admission:
 
     def _fits_room_left(self, tracked: InflightRequest, own: int) -> bool:
         """Whether a request that is not critical fits the room left now, queues aside."""
-        projection = self.projection()
+        return self._fits(self.projection(), tracked, own, critical=False)
+
+    def _fits(
+        self, projection: Projection, tracked: InflightRequest, own: int, *, critical: bool
+    ) -> bool:
+        """Whether ``tracked`` (reserving ``own``) fits beside ``projection``, queues aside."""
         return rules.admits(
-            projection.summed,
+            projection.summed,  # whether anything is in flight (Projection.in_flight)
             own,
             self.mitigations.pool_tokens,
-            self._terms(critical=False).ratio,
-            critical=False,
-            with_it=projection.with_it(tracked, self._limit(critical=False)),
+            self._terms(critical=critical).ratio,
+            critical=critical,
+            with_it=projection.with_it(tracked, self._limit(critical=critical)),
         )
 
     def higher_class_waiting(self, own_rank: int) -> str | None:
@@ -1088,24 +1093,15 @@ class Admission:
 
     def _someone_fits(self) -> bool:
         """Whether a request waiting for room would fit it now (the highest class waiting)."""
-        projection, pool = self.projection(), self.mitigations.pool_tokens
-        in_flight = projection.summed  # whether anything is in flight (Projection.in_flight)
+        projection = self.projection()
         for own_rank in sorted(self._waiting_ranks, reverse=True):
             waiting = self._waiting_ranks[own_rank]
             if not waiting:
                 continue
             critical = own_rank == CRITICAL_RANK
-            ratio = self._terms(critical=critical).ratio
             # A lower class waits while this one does: only this class can go now.
             return any(
-                rules.admits(
-                    in_flight,
-                    self.own(waiter),
-                    pool,
-                    ratio,
-                    critical=critical,
-                    with_it=projection.with_it(waiter, self._limit(critical=critical)),
-                )
+                self._fits(projection, waiter, self.own(waiter), critical=critical)
                 for waiter in waiting.values()
             )
         return False
