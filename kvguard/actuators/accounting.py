@@ -233,6 +233,10 @@ class InflightRequest:
     reserved_from: str = ""  # how the reservation was sized, in words (for reasons)
     # The higher class waiting for room that it was not held behind (its 503 said so).
     passed_over_for: str | None = None
+    # How long it waited for room before its 503, and for how long before it requests
+    # had waited without a break when it came (None: admitted, or never waited).
+    waited_s: float | None = None
+    queue_age_s: float | None = None
     # The byte-based estimate of the prompt it was admitted with (None: counted), and
     # whether the engine's count replaced it since (usage, or /tokenize).
     prompt_estimate: int | None = None

@@ -178,6 +178,7 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
     per_token = (
         budget.budget.kv_bytes_per_token_per_gpu if budget is not None else proxy.bytes_per_token
     )
+    queue_s = proxy.admission_queue_s
     return {
         "listen": proxy.settings.listen,
         "upstream": proxy.settings.upstream,
@@ -185,6 +186,9 @@ def _proxy(daemon: Daemon) -> dict[str, Any] | None:
         # Requests the proxy holds for room (not the engine's queue: engine.requests_waiting).
         "held_requests": proxy.waiting,
         "waiting_requests": proxy.waiting,  # deprecated: held_requests' old name
+        # How long requests have waited for room without a break (None: none waits);
+        # older than admission_wait_s it is overload, and a request waits less.
+        "admission_queue_s": None if queue_s is None else round(queue_s, 3),
         # What it refused with 503 since kvguard started, and the last one's reason.
         "requests_shed": _shed_counts(proxy.counters.shed),
         "last_shed": _last_shed(proxy.counters.last_shed),

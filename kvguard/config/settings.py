@@ -426,6 +426,12 @@ class ProxyConfig:
     admission_wait_s: float = setting(
         5.0, number(0.0, 600.0, low_open=False), "how long a request waits to be admitted"
     )
+    overload_wait_s: float = setting(
+        0.25,
+        number(0.0, 600.0, low_open=False),
+        "... this long at most once requests have waited for room for longer than"
+        " admission_wait_s without a break (overload, not a burst)",
+    )
     shed_ratio: float = setting(
         0.8,
         number(0.0, 1.0, low_open=False),

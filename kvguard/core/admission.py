@@ -241,6 +241,25 @@ def admission_terms(
     return AdmissionTerms(ratio=admission_ratio, wait_s=admission_wait_s)
 
 
+def admission_deadline(
+    arrived: float, queue_since: float, wait_s: float, overload_wait_s: float
+) -> float:
+    """When a request that began to wait for room at ``arrived`` stops waiting (is shed).
+
+    ``queue_since`` is when requests began to wait for room without a break (at or
+    before ``arrived``: the request is one of them). A queue that has stood longer
+    than ``wait_s`` — the longest any request may wait — is not a burst being absorbed
+    but overload: room frees slower than requests come, and a request held longer only
+    adds its wait to its client's latency before the 503 it would likely get anyway (a
+    client or load balancer can retry elsewhere at once). From then on a request waits
+    ``overload_wait_s`` at most; before, ``wait_s`` (CoDel's rule as "Fail at Scale"
+    applies it to a server's queue: the standing queue, not one request's wait, sets
+    the bound). The result is never later than ``arrived + wait_s``.
+    """
+    standing_from = queue_since + wait_s
+    return min(arrived + wait_s, max(arrived, standing_from) + overload_wait_s)
+
+
 def admits(
     in_flight: int,
     own: int,

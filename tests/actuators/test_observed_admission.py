@@ -567,6 +567,63 @@ async def test_room_goes_to_the_highest_class_then_the_newest(sim_server, proxy_
     assert order == ["first", "critical", "newer", "older", "sheddable"]
 
 
+async def test_a_queue_older_than_the_wait_is_overload_and_a_request_waits_less(
+    sim_server, proxy_to
+):
+    """In a burst a request waits admission_wait_s; once the queue outlives it, overload_wait_s.
+
+    One answer fills the pool for seconds and a critical request waits behind it (it is
+    never shed: the queue stands). A standard request that comes into the young queue
+    waits its whole admission_wait_s; one that comes once the queue is older than that
+    gets its 503 after overload_wait_s, and the 503 says why. The critical one is still
+    answered.
+    """
+    server = await sim_server(kv_capacity_tokens=8192, max_model_len=2048, per_token_s=0.004)
+    mitigations = Mitigations(pool_tokens=1000, block_size=16)
+    url, proxy = await proxy_to(
+        server.url, mitigations, admission_ratio=1.0, admission_wait_s=1.0, overload_wait_s=0.1
+    )
+    loop = asyncio.get_running_loop()
+
+    async def shed_after(http: aiohttp.ClientSession) -> tuple[float, str]:
+        began = loop.time()
+        async with http.post(
+            f"{url}/v1/completions", json=body(10, 700, 30), headers={"X-Priority": "standard"}
+        ) as resp:
+            assert resp.status == 503
+            message = (await resp.json())["error"]["message"]
+        return loop.time() - began, message
+
+    async with aiohttp.ClientSession() as http:
+        # Nothing learned yet: each reserves its max_tokens (700), so one at a time.
+        first = asyncio.ensure_future(_complete(http, url, body(10, 700, 700)))
+        await _one_in_flight(proxy)
+        critical = asyncio.ensure_future(
+            http.post(
+                f"{url}/v1/completions", json=body(10, 700, 30), headers={"X-Priority": "critical"}
+            )
+        )
+        await until(lambda: proxy.waiting == 1)
+        queued_at = loop.time()
+        await asyncio.sleep(0.1)
+        in_burst, _ = await shed_after(http)
+        await asyncio.sleep(max(0.0, queued_at + 1.3 - loop.time()))
+        assert proxy.waiting == 1  # the critical request still waits: the queue stands
+        queue_s = proxy.admission_queue_s
+        assert queue_s is not None
+        assert queue_s > 1.0, queue_s
+        in_overload, message = await shed_after(http)
+        async with await critical as resp:
+            assert resp.status == 200
+        await first
+    assert in_burst >= 0.9, in_burst
+    assert in_overload < 0.6, in_overload
+    assert "overload, so a request waits overload_wait_s 0.1 s at most" in message, message
+    assert "without a break for 1." in message, message
+    assert proxy.counters.shed[("standard", "kv_pool_full")] == 2
+    assert proxy.admission_queue_s is None  # none waits now
+
+
 async def test_a_lower_class_is_not_held_behind_a_higher_class_waiting(sim_server, proxy_to):
     """While a higher class waits for room, a lower one that does not fit gets its 503 at once.
 

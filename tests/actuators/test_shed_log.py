@@ -129,6 +129,7 @@ async def test_a_shed_request_is_seen_in_status_in_kvguard_status_and_in_the_log
     assert "it alone reserves" in last["detail"]
     assert last["detail"] in said  # what the client was told
     assert doc["proxy"]["held_requests"] == 0
+    assert doc["proxy"]["admission_queue_s"] is None  # none waits for room
     (line,) = [e for e in logs if e["event"] == "requests_shed"]
     assert line["log_level"] == "info"
     assert (line["shed"], line["last_reason"]) == (1, "kv_pool_full")

@@ -16,6 +16,7 @@ from kvguard.core.admission import (
     Growth,
     SpreadProfile,
     WindowOutcome,
+    admission_deadline,
     admission_enforced,
     admission_terms,
     admits,
@@ -166,6 +167,38 @@ def test_critical_requests_may_fill_the_pool_and_wait_as_long_as_an_answer():
     kwargs = {"admission_ratio": 0.9, "admission_wait_s": 5.0, "read_timeout_s": 600.0}
     assert admission_terms(critical=True, **kwargs) == AdmissionTerms(1.0, 600.0)
     assert admission_terms(critical=False, **kwargs) == AdmissionTerms(0.9, 5.0)
+
+
+def test_a_request_waits_admission_wait_s_in_a_burst_and_overload_wait_s_in_overload():
+    """A queue younger than the longest wait is a burst; an older one is overload."""
+    # The first of a burst (the queue begins with it): the whole wait.
+    assert admission_deadline(100.0, 100.0, 5.0, 0.25) == 105.0
+    # One that comes 1 s into a queue: the queue is overload at 105, and the request
+    # waits 0.25 s more (not until its own 5 s are up, at 106).
+    assert admission_deadline(101.0, 100.0, 5.0, 0.25) == 105.25
+    # One that comes 4.9 s into the queue: the queue is overload 0.1 s later.
+    assert admission_deadline(104.9, 100.0, 5.0, 0.25) == pytest.approx(105.25)
+    # One that comes to a queue older than admission_wait_s: overload_wait_s.
+    assert admission_deadline(112.0, 100.0, 5.0, 0.25) == 112.25
+    # overload_wait_s as long as admission_wait_s: the rule is off.
+    assert admission_deadline(112.0, 100.0, 5.0, 5.0) == 117.0
+    assert admission_deadline(0.0, 0.0, 0.0, 0.25) == 0.0  # no wait at all
+
+
+@given(
+    st.floats(0, 1e4),
+    st.floats(0, 1e4),
+    st.floats(0, 600),
+    st.floats(0, 600),
+)
+def test_the_overload_rule_only_ever_shortens_a_wait(since, after, wait_s, overload_s):
+    """Never later than the whole wait; never earlier than the shorter of the two waits."""
+    arrived = since + after
+    deadline = admission_deadline(arrived, since, wait_s, overload_s)
+    assert deadline <= arrived + wait_s
+    assert deadline >= arrived + min(wait_s, overload_s) - 1e-9
+    if after >= wait_s:  # the queue was overload when it came
+        assert deadline == pytest.approx(arrived + min(wait_s, overload_s))
 
 
 def test_projected_admission_admits_what_fits_and_a_lone_critical_request():

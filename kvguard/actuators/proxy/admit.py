@@ -81,6 +81,11 @@ class Admission:
         # tickets (arrival order) -> their own projections; and the next ticket.
         self._waiting_ranks: dict[int, dict[int, InflightRequest]] = {}
         self._tickets = 0
+        # Requests waiting in make_room now, and since when some have without a break
+        # (loop time; None while none waits): a queue older than admission_wait_s is
+        # overload, and then a request waits overload_wait_s at most.
+        self._queued = 0
+        self._queue_since: float | None = None
         # The engine's count of what it held at the previous tick: its growth.
         self._last_used: int | None = None
         # What each answer in flight had written per sequence at the previous tick (by
@@ -94,6 +99,12 @@ class Admission:
         # request waiting, and each would otherwise read the same state again.
         self._projection: tuple[tuple[object, ...], Projection] | None = None
         self._revision = 0  # reservations or learned lengths changed
+
+    def queue_age_s(self) -> float | None:
+        """How long requests have waited for room without a break (None: none waits now)."""
+        if self._queue_since is None:
+            return None
+        return asyncio.get_running_loop().time() - self._queue_since
 
     def wake(self) -> None:
         """Make requests waiting for room re-check now (one ended, or the mitigations changed)."""
@@ -716,7 +727,23 @@ class Admission:
             why += f" (in flight per the engine's own count: {in_flight:,})"
         if with_it <= limit:
             why = f"the room that freed went to higher classes or newer requests waiting ({why})"
-        return f"{why}, after waiting {self.settings.admission_wait_s:g} s{sized}"
+        return f"{why}, {self._waited(tracked)}{sized}"
+
+    def _waited(self, tracked: InflightRequest) -> str:
+        """How long ``tracked`` waited for room, and why no longer (overload), in words."""
+        settings = self.settings
+        waited = tracked.waited_s
+        if waited is None:  # not held at all (it could never fit)
+            return f"after waiting {settings.admission_wait_s:g} s"
+        overloaded = (tracked.queue_age_s or 0.0) + waited > settings.admission_wait_s
+        if overloaded and waited < settings.admission_wait_s - 1e-3:
+            return (
+                f"after waiting {waited:.2g} s (requests had waited for room without a"
+                f" break for {(tracked.queue_age_s or 0.0) + waited:.1f} s, longer than"
+                f" admission_wait_s {settings.admission_wait_s:g} s: overload, so a request"
+                f" waits overload_wait_s {settings.overload_wait_s:g} s at most)"
+            )
+        return f"after waiting {waited:.2g} s"
 
     def window_for(self, priority: str) -> tuple[int | None, int | None]:
         """The (prompt, completion) caps in force for ``priority`` now (none for critical)."""
@@ -943,12 +970,17 @@ class Admission:
         finally:
             self.held_tokens -= own
 
-    async def wait_until(self, fits: Callable[[], bool], wait_s: float) -> bool:
-        """Wait up to ``wait_s`` for ``fits()`` (re-checked as requests finish)."""
+    async def wait_until(
+        self, fits: Callable[[], bool], wait_s: float, *, until: float | None = None
+    ) -> bool:
+        """Wait up to ``wait_s`` (or until loop time ``until``) for ``fits()``.
+
+        ``fits()`` is re-checked as requests finish.
+        """
         if fits():
             return True
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
+        deadline = loop.time() + wait_s if until is None else until
         self.waiting += 1
         try:
             while not fits():
@@ -1055,12 +1087,29 @@ class Admission:
             return False
         waiting = self._waiting_ranks.setdefault(own_rank, {})
         waiting[ticket] = tracked
+        now = asyncio.get_running_loop().time()
+        if self._queue_since is None:
+            self._queue_since = now
+        self._queued += 1
+        until = (
+            None  # a critical request is never shed: it waits read_timeout_s
+            if critical
+            else rules.admission_deadline(
+                now, self._queue_since, terms.wait_s, self.settings.overload_wait_s
+            )
+        )
+        tracked.queue_age_s = now - self._queue_since
         admitted = False
         try:
-            admitted = await self.wait_until(fits, terms.wait_s)
+            admitted = await self.wait_until(fits, terms.wait_s, until=until)
             return admitted
         finally:
             waiting.pop(ticket, None)
+            self._queued -= 1
+            if not self._queued:
+                self._queue_since = None
+            if not admitted:
+                tracked.waited_s = asyncio.get_running_loop().time() - now
             # Not admitted, it leaves room it blocked others from. Admitted, it took some
             # room, and the rest may still fit others: in a wake-up only one request of
             # a class goes (the newest that fits; the older ones re-wait behind it), so

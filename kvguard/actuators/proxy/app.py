@@ -97,6 +97,15 @@ class AdmissionProxy:
         """Requests waiting for room in the pool now (held or projected admission)."""
         return self._admission.waiting
 
+    @property
+    def admission_queue_s(self) -> float | None:
+        """How long requests have waited for room without a break; None while none waits.
+
+        Older than ``admission_wait_s``, the queue is overload: a request waits
+        ``overload_wait_s`` at most (:func:`kvguard.core.admission.admission_deadline`).
+        """
+        return self._admission.queue_age_s()
+
     def app(self) -> web.Application:
         """The application: every allowed path and method, screened, then forwarded."""
         listen = self.settings.listen

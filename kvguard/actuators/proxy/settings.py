@@ -57,6 +57,10 @@ class ProxySettings:
     reserve_window: int = _DEFAULTS.reserve_window
     admission_ratio: float = _DEFAULTS.admission_ratio
     admission_wait_s: float = _DEFAULTS.admission_wait_s
+    # Once requests have waited for room without a break for longer than
+    # admission_wait_s, the queue is overload rather than a burst being absorbed: a
+    # request then waits overload_wait_s at most (critical ones aside).
+    overload_wait_s: float = _DEFAULTS.overload_wait_s
     # While shedding, a request of a shed class is held until the in-flight projections
     # plus its own fit within shed_ratio of the pool, for up to shed_wait_s: only the
     # excess is shed. shed_ratio 0 (or an unknown pool) sheds the whole class at once.
