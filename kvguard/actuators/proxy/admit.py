@@ -1001,7 +1001,9 @@ class Admission:
         A request fits when every in-flight request's projection (prompt +
         ``max_tokens``, in whole blocks) plus its own stays within
         ``admission_ratio`` of the engine's usable pool. It waits up to
-        ``admission_wait_s`` for others to finish, then is shed. Critical requests
+        ``admission_wait_s`` for others to finish (``overload_wait_s`` once the queue
+        is older than that: :func:`~kvguard.core.admission.admission_deadline`), then
+        is shed. Critical requests
         are never shed: they may use the whole pool (not just ``admission_ratio``)
         and wait for room as long as ``read_timeout_s`` — letting one in regardless
         is what would crash an engine that allocates per sequence. An unknown pool
