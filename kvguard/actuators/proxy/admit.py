@@ -81,10 +81,9 @@ class Admission:
         # tickets (arrival order) -> their own projections; and the next ticket.
         self._waiting_ranks: dict[int, dict[int, InflightRequest]] = {}
         self._tickets = 0
-        # Requests waiting in make_room now, and since when some have without a break
-        # (loop time; None while none waits): a queue older than admission_wait_s is
-        # overload, and then a request waits overload_wait_s at most.
-        self._queued = 0
+        # Since when requests have waited in make_room without a break (loop time; None
+        # while none waits): a queue older than admission_wait_s is overload, and then a
+        # request waits overload_wait_s at most.
         self._queue_since: float | None = None
         # The engine's count of what it held at the previous tick: its growth.
         self._last_used: int | None = None
@@ -1092,7 +1091,6 @@ class Admission:
         now = asyncio.get_running_loop().time()
         if self._queue_since is None:
             self._queue_since = now
-        self._queued += 1
         until = (
             None  # a critical request is never shed: it waits read_timeout_s
             if critical
@@ -1107,8 +1105,7 @@ class Admission:
             return admitted
         finally:
             waiting.pop(ticket, None)
-            self._queued -= 1
-            if not self._queued:
+            if not any(self._waiting_ranks.values()):
                 self._queue_since = None
             if not admitted:
                 tracked.waited_s = asyncio.get_running_loop().time() - now
