@@ -1107,8 +1107,6 @@ class Admission:
         admitted = False
         try:
             admitted = await self.wait_until(fits, terms.wait_s, until=until)
-            if not admitted and not self.draining():
-                admitted = self._room_beside_those_ahead(tracked, own_rank, ticket, critical)
             return admitted
         finally:
             waiting.pop(ticket, None)
@@ -1123,34 +1121,6 @@ class Admission:
             # oldest run out their wait with room to spare.
             if not admitted or self._someone_fits():
                 self.wake()
-
-    def _room_beside_those_ahead(
-        self, tracked: InflightRequest, own_rank: int, ticket: int, critical: bool
-    ) -> bool:
-        """At its wait's end: whether ``tracked`` fits beside every request ahead of it.
-
-        Room goes to the higher classes and, within a class, to the newer requests
-        that fit first; the older one re-checks once they are in. When room frees at
-        the moment its wait ends (a reading, an answer's end, a loop that ran late
-        under load), it would be shed with room to spare for it and for them: so,
-        last, it goes in if it fits beside the requests in flight plus every
-        higher-class request waiting (each at its own reservation, whether it fits
-        now or not) and every newer one of its class that fits now.
-        """
-        limit = self._limit(critical=critical)
-        if limit is None:
-            return False
-        projection = self.projection()
-        ahead = 0
-        for waiting_rank, waiting in self._waiting_ranks.items():
-            for other, waiter in waiting.items():
-                if waiting_rank > own_rank or (
-                    waiting_rank == own_rank
-                    and other > ticket
-                    and self._fits(projection, waiter, self.own(waiter), critical=critical)
-                ):
-                    ahead += self.own(waiter)
-        return projection.with_it(tracked, limit - ahead) <= limit - ahead
 
     def _fits_room_left(self, tracked: InflightRequest, own: int) -> bool:
         """Whether a request that is not critical fits the room left now, queues aside."""
