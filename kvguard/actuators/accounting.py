@@ -370,11 +370,6 @@ class Inflight:
         self._each = 0
         self._expected = 0
         self._variance = 0
-        # What each answer the engine surely held at its last reading held then (whole
-        # blocks), and what those that ended since held: the engine freed that, and its
-        # count, read again only at the next tick, does not show it yet.
-        self._at_reading: dict[InflightRequest, int] = {}
-        self.ended_since_reading = 0
 
     def __iter__(self) -> Iterator[InflightRequest]:
         return iter(list(self._requests.values()))
@@ -403,28 +398,10 @@ class Inflight:
         """
         if self._requests.pop(request, None) is not None:
             self.version += 1
-            self.ended_since_reading += self._at_reading.pop(request, 0)
             self._uncount(request)
             object.__setattr__(request, "_registry", None)
             self.kv_tokens.observe(request.footprint_tokens)
             self.prompt_tokens.observe(request.prompt_tokens)
-
-    def engine_read(self, block_size: int) -> None:
-        """The engine's count of what it holds was just read: remember each answer's part.
-
-        Only answers that have written a token are surely in it (one that has not may
-        still wait in the engine's queue); each is counted at what it holds now in
-        whole blocks, as the engine allocates. When one of them ends before the next
-        reading, :attr:`ended_since_reading` grows by that: the engine freed it at
-        once, and an engine count that still holds it would keep that room from the
-        requests waiting until the next tick (on a loaded host, seconds).
-        """
-        self.ended_since_reading = 0
-        self._at_reading = {
-            r: whole_blocks(r.footprint_tokens, block_size)
-            for r in self._requests.values()
-            if r.generated > 0
-        }
 
     def wrote(self, tokens: int) -> None:
         """A request in flight wrote ``tokens`` more, within what was reserved for it."""

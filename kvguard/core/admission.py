@@ -381,8 +381,7 @@ def in_flight_tokens(reserved: int, engine_used: int | None) -> int:
     sees traffic that bypasses the proxy and answers longer than their reservation,
     so an under-estimate is corrected within one tick. Reservations are given back
     the moment each answer ends, which the proxy sees before the engine's next
-    reading; so the caller passes the count less what answers that ended since it
-    was read held then (the engine freed that at once).
+    reading.
     """
     return reserved if engine_used is None else max(reserved, engine_used)
 

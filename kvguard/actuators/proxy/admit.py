@@ -473,7 +473,6 @@ class Admission:
         used, pool = self.mitigations.engine_used_tokens, self.mitigations.pool_tokens
         if used is None:
             return []  # a failed read: the last good one stays the reference
-        self._inflight.engine_read(self.mitigations.block_size)
         last, self._last_used = self._last_used, used
         last_at, self._last_read_at = self._last_read_at, now
         requests = list(self._inflight)
@@ -903,10 +902,6 @@ class Admission:
         """What is in flight now, and with one more request: one reading for many checks."""
         mitigations = self.mitigations
         used, held = mitigations.engine_used_tokens, self._inflight.total_tokens
-        if used is not None:
-            # Less what answers that ended since the reading held then: the engine
-            # freed it, and its next count comes only at the next tick.
-            used = max(used - self._inflight.ended_since_reading, 0)
         key = (
             self._inflight.version,
             held,
