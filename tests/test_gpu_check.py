@@ -76,7 +76,10 @@ async def test_fake_run_sees_the_oom_coming_and_agrees_with_the_load(tmp_path):
     # kvguard's used bytes rise with the allocator's reserved bytes, tick by tick.
     ramp = [r for r in report["timeline"] if 0 <= r["t_s"] <= events["oom_at_s"]]
     assert len(ramp) > 100
-    used = [r["kvguard_gpu_used_bytes"] for r in ramp]
+    # A tick whose NVML read timed out (a loaded CI host) has no figure: the others
+    # must rise, and nearly every tick must have one.
+    used = [r["kvguard_gpu_used_bytes"] for r in ramp if r["kvguard_gpu_used_bytes"] is not None]
+    assert len(used) >= 0.95 * len(ramp)
     assert used == sorted(used)
     assert used[-1] - used[0] > 20 * GiB
     names = {Path(f).name for f in report["files"]}
