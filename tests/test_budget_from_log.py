@@ -174,3 +174,60 @@ def test_a_log_that_sampled_with_flashinfer_is_predicted_with_its_lighter_profil
     assert "FlashInfer" in predicted["sources"]["activation"]
     pool = predicted["kv_pool_bytes_per_gpu"] / 2**30
     assert abs(pool - 5.01) <= 0.05 * 5.01, pool
+
+
+VLLM_LOGS = Path(__file__).parent / "fixtures" / "vllm_logs"
+# vLLM 0.29.0 on an L4, gpt-oss-20b, utilization 0.85: two start-ups, no "Model loading" line.
+TWO_STARTUPS = VLLM_LOGS / "v1_two_startups_no_weights_line.log"
+# vLLM 0.29.0 on L4s, Qwen3-8B-FP8: two engines, no engine config line, 8,192-token context.
+TWO_ENGINES = VLLM_LOGS / "v1_two_engines_no_config_line.log"
+
+
+def test_weights_the_log_did_not_measure_are_not_called_measured(capsys):
+    """Without a "Model loading took" line the what-if's weights are kvguard's, and say so."""
+    argv = ["gpt-oss-20b", "--gpu", "L4", "--from-vllm-log", str(TWO_STARTUPS)]
+    data = run_json(capsys, *argv, "--gpu-memory-utilization", "0.85")
+    calibrated, notes = data["calibrated"], data["notes"]
+    assert isinstance(calibrated, dict)
+    assert isinstance(notes, list)
+    assert not calibrated["weights_source"].startswith("measured")
+    assert calibrated["weights_source"].endswith("(the log has no model loading line)")
+    assert any("no model loading line" in note for note in notes)
+    assert any("2 start-ups" in note for note in notes)
+    assert data["log"]["startups"] == 2  # type: ignore[index]
+    assert main(["budget", *argv]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "Note: the file holds 2 start-ups" in out
+    assert "4.00x" in out  # the concurrency as vLLM printed it, not "4"
+    assert "(weights, activation and overhead as measured)" not in out
+
+
+def test_the_context_comes_from_the_concurrency_line_and_an_unknown_gpu_is_said(capsys):
+    """No engine config line: max_model_len is the Maximum concurrency line's 8,192."""
+    data = run_json(capsys, "qwen3-8b", "--from-vllm-log", str(TWO_ENGINES))
+    predicted, notes = data["predicted"], data["notes"]
+    assert isinstance(predicted, dict)
+    assert isinstance(notes, list)
+    assert predicted["max_model_len"] == 8192  # not the model's own 40,960
+    assert any("Maximum concurrency line" in note for note in notes)
+    assert any("assumes 80 GiB" in note for note in notes)  # no --gpu, no memory line
+    with_gpu = run_json(capsys, "qwen3-8b", "--gpu", "L4", "--from-vllm-log", str(TWO_ENGINES))
+    assert not any("80 GiB" in note for note in with_gpu["notes"])  # type: ignore[union-attr]
+
+
+def test_a_pool_without_a_breakdown_calibrates_the_overhead_and_says_it_was_derived(capsys):
+    """V0 printed the total and the pool but no activation: the rest is derived, not measured."""
+    log = LOGS / "vllm-10517-llama31-8b-rtx3090-20k.log"
+    data = run_json(capsys, "llama-3.1-8b", "--gpu", "RTX-3090", "--from-vllm-log", str(log))
+    calibrated, predicted = data["calibrated"], data["predicted"]
+    assert isinstance(calibrated, dict)
+    assert isinstance(predicted, dict)
+    assert calibrated["sources"]["overhead"].startswith("derived from vLLM log")
+    assert calibrated["sources"]["activation"].startswith("counted in the overhead")
+    assert calibrated["sources"]["gpu_memory"].startswith("as logged")
+    assert predicted["sources"]["gpu_memory"].startswith("as logged")
+    # Its only other note: the context, which the log gives in no engine config line.
+    assert data["notes"] == [
+        "max_model_len 20,000 is read from the Maximum concurrency line (the log has no"
+        " engine config line)"
+    ]

@@ -41,36 +41,51 @@ def run(
         raise InvalidInputError("--from-vllm-log", str(path), f"cannot be read ({exc})") from None
     log = parse_vllm_log(text, source=path.name)
     as_run = logged_inputs(log, inputs)
+    logged_gpu = (
+        {"gpu_memory": f"as logged (vLLM log {log.source})"} if log.total_gpu_memory_bytes else {}
+    )
     predicted = plan_budget(
         files.config,
         as_run,
         index_total_size=files.index_total_size,
         source=files.source,
         notes=notes,
+        given_sources=logged_gpu,
     )
-    what_if = calibrated_inputs(log, what_if_inputs(args, as_run, inputs), predicted.budget)
+    what_if, sources = calibrated_inputs(
+        log, what_if_inputs(args, as_run, inputs), predicted.budget
+    )
     calibrated = plan_budget(
         files.config,
         what_if,
         index_total_size=files.index_total_size,
         source=files.source,
         given_as=f"measured (vLLM log {log.source})",
+        given_sources={**logged_gpu, **sources},
     )
     rows = comparison(log, predicted.budget)
+    said = log_notes(log, inputs)
     if log.total_gpu_memory_bytes:
         gpu = f"as logged ({log.total_gpu_memory_bytes / GiB:.2f} GiB)"
     if args.json:
         data = {
             "log": {k: v for k, v in asdict(log).items() if v is not None},
+            "notes": list(said),
             "comparison": rows,
             "predicted": budget_to_dict(predicted, files.source, gpu, name=files.name),
             "calibrated": budget_to_dict(calibrated, files.source, gpu, name=files.name),
         }
         print(json.dumps(data, indent=2))
         return EXIT_OK
-    print(render_comparison(log, rows, predicted))
+    print(render_comparison(log, rows, predicted, said))
     print()
-    print("What-if from the logged figures (weights, activation and overhead as measured):")
+    if sources:
+        print(
+            "What-if from the logged figures (where the log measured none, Sources below"
+            " says where a figure came from):"
+        )
+    else:
+        print("What-if from the logged figures (weights, activation and overhead as measured):")
     print(render_budget(calibrated, files.source, gpu, name=files.name))
     return EXIT_OK
 
@@ -82,7 +97,10 @@ def logged_inputs(log: VllmStartupLog, given: BudgetInputs) -> BudgetInputs:
         given,
         tp=log.tensor_parallel_size or given.tp,
         pp=log.pipeline_parallel_size or given.pp,
-        max_model_len=log.max_model_len or given.max_model_len,
+        # vLLM's "Maximum concurrency for N tokens per request" names max_model_len.
+        max_model_len=(
+            log.max_model_len or log.max_concurrency_tokens_per_request or given.max_model_len
+        ),
         gpu_memory_utilization=log.gpu_memory_utilization or given.gpu_memory_utilization,
         kv_cache_dtype=_kv_dtype(log.kv_cache_dtype) or given.kv_cache_dtype,
         block_size=log.block_size or given.block_size,
@@ -110,15 +128,24 @@ def what_if_inputs(
     return replace(as_run, **changes)  # type: ignore[arg-type]
 
 
-def calibrated_inputs(log: VllmStartupLog, inputs: BudgetInputs, predicted: Budget) -> BudgetInputs:
+def calibrated_inputs(
+    log: VllmStartupLog, inputs: BudgetInputs, predicted: Budget
+) -> tuple[BudgetInputs, dict[str, str]]:
     """``inputs`` with the memory lines vLLM measured in place of kvguard's estimates.
 
     Where the log has no breakdown but does give the pool, whatever the pool did not
     take (memory x utilization - pool - weights) is counted as overhead, so the
-    calibrated budget reproduces the logged pool exactly.
+    calibrated budget reproduces the logged pool exactly. Also returned: where each
+    figure that was not measured came from (``weights``, ``activation``,
+    ``overhead``), for :attr:`Budget.sources`.
     """
     gpus = inputs.tp * inputs.pp
-    weights = log.weights_bytes or predicted.weights_bytes_per_gpu
+    sources: dict[str, str] = {}
+    weights = log.weights_bytes
+    if weights is None:
+        # Kept from the prediction, and said so: a what-if is no more exact than it.
+        weights = predicted.weights_bytes_per_gpu
+        sources["weights"] = f"{predicted.sources['weights']} (the log has no model loading line)"
     activation = log.activation_peak_bytes
     overhead = _overhead(log)
     total = log.total_gpu_memory_bytes
@@ -126,12 +153,40 @@ def calibrated_inputs(log: VllmStartupLog, inputs: BudgetInputs, predicted: Budg
         util = log.gpu_memory_utilization or predicted.inputs.utilization
         rest = int(total * util) - log.kv_cache_memory_bytes - weights
         activation, overhead = 0, max(0, rest)
-    return replace(
+        sources["activation"] = "counted in the overhead (the log has no breakdown)"
+        sources["overhead"] = (
+            f"derived from vLLM log {log.source}: memory x utilization - KV pool - weights"
+        )
+    calibrated = replace(
         inputs,
         weights_bytes=weights * gpus,
         activation_bytes=activation,
         overhead_bytes=overhead,
     )
+    return calibrated, sources
+
+
+def log_notes(log: VllmStartupLog, given: BudgetInputs) -> tuple[str, ...]:
+    """What the reader of the comparison must know about the log before its figures."""
+    notes: list[str] = []
+    if log.startups > 1:
+        notes.append(
+            f"the file holds {log.startups} start-ups (KV cache size lines):"
+            " only the last one is read"
+        )
+    if log.max_model_len is None and log.max_concurrency_tokens_per_request is not None:
+        notes.append(
+            f"max_model_len {log.max_concurrency_tokens_per_request:,} is read from the"
+            " Maximum concurrency line (the log has no engine config line)"
+        )
+    if log.total_gpu_memory_bytes is None and given.gpu_memory_bytes is None:
+        notes.append(
+            "the log does not give the GPU's memory and neither --gpu nor --gpu-memory"
+            " was given: kvguard's side assumes 80 GiB per GPU (pass --gpu)"
+        )
+    if log.weights_bytes is None:
+        notes.append("the log has no model loading line: the weights on both sides are kvguard's")
+    return tuple(notes)
 
 
 def comparison(log: VllmStartupLog, b: Budget) -> list[dict[str, object]]:
@@ -187,7 +242,10 @@ def _kv_dtype(name: str | None) -> str | None:
 
 
 def render_comparison(
-    log: VllmStartupLog, rows: list[dict[str, object]], report: BudgetReport
+    log: VllmStartupLog,
+    rows: list[dict[str, object]],
+    report: BudgetReport,
+    notes: tuple[str, ...] = (),
 ) -> str:
     """The side-by-side table of what vLLM logged and what kvguard predicted."""
     b = report.budget
@@ -197,13 +255,15 @@ def render_comparison(
         f"Predicted with {b.engine_rule}, tp={b.inputs.tp}, pp={b.inputs.pp},"
         f" max_model_len {b.max_model_len:,}, utilization {b.inputs.utilization:g},"
         f" {b.max_num_batched_tokens:,} batched tokens, {b.max_num_seqs:,} sequences",
+        *(f"Note: {note}" for note in notes),
         "",
         f"  {'figure':<26} {'vLLM logged':>14} {'kvguard':>14} {'difference':>12}",
     ]
     for row in rows:
         pct = row["difference_pct"]
         lines.append(
-            f"  {row['figure']!s:<26} {_num(row['logged']):>14} {_num(row['predicted']):>14}"
+            f"  {row['figure']!s:<26} {_num(row['logged'], row['unit']):>14}"
+            f" {_num(row['predicted'], row['unit']):>14}"
             f" {(f'{pct:+.1f}%' if isinstance(pct, float) else '-'):>12}"
         )
     if not rows:
@@ -211,7 +271,9 @@ def render_comparison(
     return "\n".join(lines)
 
 
-def _num(value: object) -> str:
+def _num(value: object, unit: object = None) -> str:
+    if unit == "x" and isinstance(value, (int, float)):
+        return f"{value:.2f}x"  # as vLLM prints it: 4.00x, not 4
     if isinstance(value, float) and not value.is_integer():
         return f"{value:,.2f}"
     if isinstance(value, (int, float)):

@@ -331,11 +331,14 @@ def compute_budget(
     weights_source: str,
     notes: tuple[str, ...] = (),
     given_as: str = "given",
+    given_sources: Mapping[str, str] | None = None,
 ) -> Budget:
     """Compute the budget of ``shape`` served with ``inputs`` and ``weights_bytes`` of weights.
 
     ``given_as`` is how :attr:`Budget.sources` names a figure the inputs fixed
-    (``"given"``, or ``"measured (vLLM log)"`` for a calibrated budget).
+    (``"given"``, or ``"measured (vLLM log)"`` for a calibrated budget);
+    ``given_sources`` names one such figure otherwise (``activation``, ``overhead``,
+    ``gpu_memory``), where the caller knows better (derived, not measured).
     """
     assumptions = [*notes, *_shape_assumptions(shape)]
     rule = vllm_rule(inputs.engine_version)
@@ -379,7 +382,11 @@ def compute_budget(
     )
     chosen = sized(batch)
     kv, activation, overhead, pool = chosen.kv, chosen.activation, chosen.overhead, chosen.pool
-    sources["activation"], sources["overhead"] = chosen.activation_source, chosen.overhead_source
+    sources |= {
+        "activation": chosen.activation_source,
+        "overhead": chosen.overhead_source,
+        **_named_otherwise(inputs, given_sources),
+    }
     non_kv = weights_gpu + activation + overhead
     by_batch = {(batch.max_num_batched_tokens, batch.max_num_seqs): chosen}
 
@@ -462,6 +469,16 @@ def compute_budget(
         engine_rule=rule.label,
         sources=sources,
     )
+
+
+def _named_otherwise(inputs: BudgetInputs, given: Mapping[str, str] | None) -> dict[str, str]:
+    """The sources ``given`` names for figures the inputs fixed (others are estimated)."""
+    fixed = {
+        "activation": inputs.activation_bytes,
+        "overhead": inputs.overhead_bytes,
+        "gpu_memory": inputs.gpu_memory_bytes,
+    }
+    return {k: v for k, v in (given or {}).items() if fixed.get(k) is not None}
 
 
 def _gpu_memory(inputs: BudgetInputs) -> tuple[int, str]:
@@ -692,13 +709,15 @@ def plan_budget(
     source: str = "config.json",
     notes: tuple[str, ...] = (),
     given_as: str = "given",
+    given_sources: Mapping[str, str] | None = None,
 ) -> BudgetReport:
     """Budget a model from its parsed config, choosing the best weight figure at hand.
 
     Weights come from ``inputs.weights_bytes`` when given, else the weight index's
     ``total_size``, else an estimate from the config's shapes. ``notes`` join the
     budget's assumptions (what the caller derived, e.g. a drafter's layers);
-    ``given_as`` names the figures the inputs fix, as in :func:`compute_budget`.
+    ``given_as`` and ``given_sources`` name the figures the inputs fix, as in
+    :func:`compute_budget` (``given_sources["weights"]`` the given weights).
     """
     cfg = ConfigFields(raw_config, source)
     shape = parse_fields(cfg)
@@ -708,6 +727,8 @@ def plan_budget(
     if inputs.weights_bytes is not None:
         weights = inputs.weights_bytes
         origin = "given (--weights-bytes)" if given_as == "given" else given_as
+        if given_sources and "weights" in given_sources:
+            origin = given_sources["weights"]
     elif index_total_size is not None:
         weights, origin = index_total_size, "model.safetensors.index.json (exact)"
         stored, served = DTYPE_BYTES[shape.checkpoint_dtype], DTYPE_BYTES[shape.dtype]
@@ -746,6 +767,7 @@ def plan_budget(
         weights_source=origin,
         notes=(*notes, *extra),
         given_as=given_as,
+        given_sources=given_sources,
     )
     fp8 = compute_budget(
         shape,
@@ -753,5 +775,6 @@ def plan_budget(
         weights_bytes=weights,
         weights_source=origin,
         given_as=given_as,
+        given_sources=given_sources,
     )
     return BudgetReport(budget, fp8)

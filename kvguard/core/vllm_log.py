@@ -50,7 +50,9 @@ With tensor or pipeline parallelism every worker prints its own lines, prefixed
 pid=…)``, ``(Worker_TP1 pid=…)`` and so on; a figure is taken from rank 0 (the
 unprefixed driver, ``rank=0``, ``Worker_TP0``, ``EngineCore_DP0``) when rank 0
 printed it, and ``ranks_seen`` says how many workers printed one. Where a line
-repeats, the last one counts. Unknown lines are skipped, never an error.
+repeats, the last one counts. Unknown lines are skipped, never an error. A file of
+several start-ups (rank 0 printed the pool's size more than once) is read from the
+end of the last but one: the last start-up alone.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ class VllmStartupLog:
     # but not taken off (so the graphs came out of the headroom instead).
     cuda_graph_reserved_before_kv_cache: bool | None = None
     ranks_seen: int = 0
+    # Start-ups the text holds (rank 0's KV cache size lines): figures are the last one's.
+    startups: int = 1
     sources: dict[str, str] = field(default_factory=dict, hash=False)
 
 
@@ -602,18 +606,41 @@ def _is_comment(line: str) -> bool:
     return line.lstrip().startswith("#") and _BLOCKS.search(line) is None
 
 
+def _last_startup(lines: list[str]) -> tuple[list[str], int]:
+    """The lines of the last start-up in ``lines``, and how many start-ups they hold.
+
+    A start-up ends where rank 0 prints the pool it sized (V1's "GPU KV cache size",
+    else V0's "# GPU blocks"): a file of several (a server restarted with other
+    flags, two engines' logs in one file) would otherwise mix one start-up's figures
+    with another's. What follows the last but one such line is the last start-up.
+    """
+    ends = [i for i, line in enumerate(lines) if _TOKENS.search(line) and _is_rank_zero(line)]
+    if not ends:
+        ends = [i for i, line in enumerate(lines) if _BLOCKS.search(line) and _is_rank_zero(line)]
+    if len(ends) < 2:
+        return lines, 1
+    return lines[ends[-2] + 1 :], len(ends)
+
+
+def _is_rank_zero(line: str) -> bool:
+    return _rank_of(line)[0] == _RANK_ZERO
+
+
 def parse_vllm_log(text: str, source: str = "log") -> VllmStartupLog:
     """Read the figures a vLLM server printed at start-up from its log ``text``.
 
     ``source`` names the log in errors and in the result (a file name, "stdin").
     Raises :class:`InvalidInputError` (field ``from_vllm_log``) when the text holds
     no memory figure at all; any other line vLLM or anything else printed is skipped.
+    Where the text holds several start-ups, only the last one is read
+    (:attr:`VllmStartupLog.startups` says how many there were).
     """
     out = _Collector()
-    for raw in text.splitlines():
-        line = _ANSI.sub("", raw).rstrip("\r")
-        if not line.strip() or _is_comment(line):
-            continue
+    cleaned = [_ANSI.sub("", raw).rstrip("\r") for raw in text.splitlines()]
+    lines, startups = _last_startup(
+        [line for line in cleaned if line.strip() and not _is_comment(line)]
+    )
+    for line in lines:
         rank = _rank_of(line)
         for reader in _READERS:
             reader(line, out, rank)
@@ -637,6 +664,7 @@ def parse_vllm_log(text: str, source: str = "log") -> VllmStartupLog:
     return VllmStartupLog(
         source=source,
         ranks_seen=len(ranks),
+        startups=startups,
         sources=sources,
         **values,  # type: ignore[arg-type]
     )

@@ -297,6 +297,35 @@ def test_a_restarted_server_keeps_the_last_start_up():
     assert log.kv_cache_tokens == 569878
 
 
+def test_several_start_ups_are_read_from_the_last_one_alone():
+    """A figure only an earlier start-up printed is not mixed into the last one's.
+
+    A server restarted with another model and flags, in one file: before, the first
+    start-up's weights ("Model loading took") and sampler stood beside the last one's
+    pool.
+    """
+    log = parse("v1_flashinfer_sampler_a100.log", "v1_two_startups_no_weights_line.log")
+    assert log.startups == 3
+    assert log.weights_bytes is None  # the last start-up printed only a duration
+    assert log.sampler is None  # nor which top-k/top-p path it took
+    assert log.kv_cache_tokens == 130986  # "130,986 tokens", the last start-up's
+    assert log.max_concurrency == 4.00
+    assert log.kv_cache_dtype == "fp8"
+    assert log.version == "0.29.0"
+    assert parse("v1_flashinfer_sampler_a100.log").startups == 1
+
+
+def test_two_engines_in_one_file_without_a_config_line():
+    """A disaggregated pair's two engines: the last one's figures, and its context."""
+    log = parse("v1_two_engines_no_config_line.log")
+    assert log.startups == 2
+    assert log.kv_cache_tokens == 67520  # the prefill engine's, printed last
+    assert log.max_concurrency == 8.24
+    assert log.max_concurrency_tokens_per_request == 8192
+    assert log.max_model_len is None  # no engine config line: the caller decides
+    assert log.gpu_memory_utilization == 0.9  # "--gpu-memory-utilization=0.9000"
+
+
 # ---------------------------------------------------------------- lines rendered from vLLM's source
 
 
