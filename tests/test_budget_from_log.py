@@ -231,3 +231,27 @@ def test_a_pool_without_a_breakdown_calibrates_the_overhead_and_says_it_was_deri
         "max_model_len 20,000 is read from the Maximum concurrency line (the log has no"
         " engine config line)"
     ]
+
+
+def test_tensor_parallelism_over_pcie_keeps_the_one_gpu_non_torch_memory(capsys):
+    """L40S and A40 report the same 44.42 GiB; only the L40S is known to lack NVLink."""
+    l40s = run_json(capsys, "llama-3.1-70b", "--gpu", "L40S", "--tp", "4")
+    a40 = run_json(capsys, "llama-3.1-70b", "--gpu", "A40", "--tp", "4")
+    assert "no NVLink" in l40s["sources"]["overhead"]  # type: ignore[index]
+    assert "NVLink" not in a40["sources"]["overhead"]  # type: ignore[index]
+    freed = a40["overhead_bytes_per_gpu"] - l40s["overhead_bytes_per_gpu"]  # type: ignore[operator]
+    assert freed == pytest.approx((2.1 - 0.25) * 2**30, abs=2**20)  # vLLM 0.32's figures
+    assert l40s["kv_pool_bytes_per_gpu"] > a40["kv_pool_bytes_per_gpu"]  # type: ignore[operator]
+    one = run_json(capsys, "llama-3.1-8b", "--gpu", "L40S")
+    assert "NVLink" not in one["sources"]["overhead"]  # type: ignore[index]
+
+
+def test_the_l40s_tensor_parallel_start_up_is_predicted_within_target(capsys):
+    """Issue 15815 of vLLM (V0 0.7.1, 2 x L40S): 0.30 GiB non-torch and a 7.71 GiB pool."""
+    log = LOGS / "vllm-15815-qwen25-32b-l40s-tp2.log"
+    model = str(LOGS.parent / "models" / "qwen2.5-32b-instruct")
+    data = run_json(capsys, model, "--gpu", "L40S", "--from-vllm-log", str(log))
+    rows = {row["figure"]: row for row in data["comparison"]}  # type: ignore[union-attr]
+    assert rows["non-torch + graphs (GiB)"]["logged"] == pytest.approx(0.30)
+    assert abs(rows["non-torch + graphs (GiB)"]["difference"]) < 0.1  # it was +1.8 GiB
+    assert abs(rows["KV pool (GiB)"]["difference_pct"]) < 5  # it was -22%

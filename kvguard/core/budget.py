@@ -28,7 +28,7 @@ from kvguard.core.engine_rules import (
     sampler_kind,
     vllm_rule,
 )
-from kvguard.core.gpus import gpu_compute_capability
+from kvguard.core.gpus import gpu_compute_capability, gpu_without_nvlink
 from kvguard.core.units import DTYPE_BYTES, GiB, dtype_bytes
 from kvguard.core.weights import estimate_weights, mxfp4_experts
 from kvguard.errors import InvalidInputError
@@ -494,14 +494,16 @@ def _overhead(inputs: BudgetInputs, rule: VllmRule, kv: KvFootprint) -> tuple[in
     """Memory outside weights, activations and the pool, and what it is made of."""
     if inputs.overhead_bytes is not None:
         return inputs.overhead_bytes, "given"
-    non_torch = non_torch_bytes(rule, inputs.tp)
+    pcie = inputs.tp > 1 and gpu_without_nvlink(inputs.gpu_name)
+    non_torch = non_torch_bytes(rule, inputs.tp, nvlink=not pcie)
     layers_gpu = max(stage.full + stage.sliding + stage.state for stage in kv.stages)
     moe = kv.shape.mlp.experts > 1
     graphs = cuda_graph_bytes(rule, layers_gpu, moe, inputs.enforce_eager)
     gpus = inputs.tp * inputs.pp
     source = f"non-torch memory {_gib(non_torch)} ({rule.engine.upper()}, {gpus} GPU" + (
-        "s)" if gpus > 1 else ")"
+        "s" if gpus > 1 else ""
     )
+    source += ", no NVLink: tensor parallelism over PCIe)" if pcie else ")"
     if graphs:
         source += f" + CUDA graphs {_gib(graphs)} (estimated, vLLM 0.21+)"
     return non_torch + graphs, source

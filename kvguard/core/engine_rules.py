@@ -149,7 +149,7 @@ def default_gpu_memory_utilization(rule: VllmRule) -> float:
     return 0.92 if rule.version >= UTILIZATION_092_FROM else 0.9
 
 
-def non_torch_bytes(rule: VllmRule, tp: int) -> int:
+def non_torch_bytes(rule: VllmRule, tp: int, *, nvlink: bool = True) -> int:
     """Memory outside torch's allocator that grows while vLLM profiles (per GPU).
 
     vLLM prints it as ``non_torch_memory``. Measured: V1 0.11 about 0.13 GiB on one
@@ -157,13 +157,18 @@ def non_torch_bytes(rule: VllmRule, tp: int) -> int:
     0.25 GiB on one GPU and 2.06-2.21 GiB with tensor parallelism (NCCL and custom
     all-reduce buffers; llm-d-planner's H100 logs, where pipeline parallelism alone
     added none); V0 0.35 GiB on one GPU (vLLM issue 10517) and 2.1 GiB at TP 8
-    (vLLM 0.7.1 on A100).
+    (vLLM 0.7.1 on A100). Those tensor-parallel figures are NVLink machines'. On
+    boards with no NVLink (``nvlink=False``) vLLM's custom all-reduce is off (it
+    needs peer-to-peer access, and NVLink past two GPUs) and NCCL goes over PCIe
+    and host memory: V0 printed 0.30 GiB at TP 2 on L40S (vLLM issue 15815, 0.7.1),
+    about the one-GPU figure, which is what is taken there.
     """
+    parallel = tp > 1 and nvlink
     if rule.engine == "v0":
-        return round((0.35 if tp == 1 else 2.1) * GiB)
+        return round((2.1 if parallel else 0.35) * GiB)
     if rule.version < NON_TORCH_CHANGE:
-        return round((0.13 if tp == 1 else 0.55) * GiB)
-    return round((0.25 if tp == 1 else 2.1) * GiB)
+        return round((0.55 if parallel else 0.13) * GiB)
+    return round((2.1 if parallel else 0.25) * GiB)
 
 
 # The first vLLM release kvguard models with the larger tensor-parallel buffers of

@@ -170,6 +170,21 @@ def gpu_preset(name: str) -> GpuPreset:
     return preset
 
 
+# Boards with no NVLink at all (NVIDIA's product pages: L4, L40, L40S, A10, A10G and
+# the RTX 4090 have no NVLink connector): tensor parallelism on them goes over PCIe.
+# Boards a bridge may join in pairs (A40, A6000, RTX 3090, H100 PCIe) are not here:
+# whether a given machine has the bridge is not known from the name.
+_NO_NVLINK = frozenset({"L4", "L40", "L40S", "A10", "A10G", "RTX-4090"})
+
+
+def gpu_without_nvlink(name: str | None) -> bool:
+    """Whether the preset ``name`` names is a board that has no NVLink at all."""
+    if name is None:
+        return False
+    preset = _BY_KEY.get(_key(name))
+    return preset is not None and preset.name in _NO_NVLINK
+
+
 def gpu_compute_capability(name: str | None) -> tuple[int, int] | None:
     """CUDA compute capability of the preset ``name`` names; None if unknown.
 

@@ -120,6 +120,14 @@ def test_tensor_parallel_buffers_grow_the_non_torch_memory():
     assert non_torch_bytes(old, 2) < non_torch_bytes(new, 2)
 
 
+def test_without_nvlink_tensor_parallelism_adds_no_large_buffers():
+    """Over PCIe the one-GPU figure holds: V0 printed 0.30 GiB at TP 2 on L40S."""
+    for rule in (vllm_rule("0.7"), vllm_rule("0.11"), vllm_rule("0.19")):
+        assert non_torch_bytes(rule, 2, nvlink=False) == non_torch_bytes(rule, 1)
+        assert non_torch_bytes(rule, 4, nvlink=False) < non_torch_bytes(rule, 4)
+    assert abs(non_torch_bytes(vllm_rule("0.7"), 2, nvlink=False) - round(0.30 * GiB)) < 0.1 * GiB
+
+
 @pytest.mark.parametrize(
     ("version", "heavy", "says"),
     [

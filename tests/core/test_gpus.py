@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.core.gpus import GPU_PRESETS, gpu_preset
+from kvguard.core.gpus import GPU_PRESETS, gpu_preset, gpu_without_nvlink
 from kvguard.core.units import GiB, MiB
 from kvguard.errors import InvalidInputError
 
@@ -100,3 +100,12 @@ def test_unknown_name_lists_canonical_names_only():
         assert preset.name in allowed
     assert "H100-80GB" not in allowed  # aliases stay out of the list
     assert "--gpu-memory" in allowed
+
+
+def test_boards_without_nvlink_are_known_by_any_of_their_names():
+    """L4, L40(S), A10(G) and RTX 4090 have no NVLink; bridgeable or SXM boards are not listed."""
+    for name in ("L40S", "l40s", "L4", "A10G", "GeForce RTX 4090", "4090"):
+        assert gpu_without_nvlink(name), name
+    # Same memory as the L40S, but a bridge may join two A40s: not known to lack it.
+    for name in ("A40", "A6000", "RTX-3090", "H100", "H100-PCIE", "A100-80GB", "custom", None):
+        assert not gpu_without_nvlink(name), name
