@@ -255,3 +255,17 @@ def test_the_l40s_tensor_parallel_start_up_is_predicted_within_target(capsys):
     assert rows["non-torch + graphs (GiB)"]["logged"] == pytest.approx(0.30)
     assert abs(rows["non-torch + graphs (GiB)"]["difference"]) < 0.1  # it was +1.8 GiB
     assert abs(rows["KV pool (GiB)"]["difference_pct"]) < 5  # it was -22%
+
+
+def test_a_yarn_override_serves_past_the_models_own_limit(capsys):
+    """Qwen3-30B-A3B at 131,072 tokens: refused as it ships, budgeted with YaRN x4."""
+    model = str(LOGS.parent / "models" / "qwen3-30b-a3b")
+    argv = ["budget", model, "--gpu", "H100", "--max-model-len", "128K"]
+    assert main(argv) == EXIT_BAD_INPUT
+    assert "context limit (40,960: max_position_embeddings)" in capsys.readouterr().err
+    yarn = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0,'
+    yarn += ' "original_max_position_embeddings": 32768}}'
+    data = run_json(capsys, *argv[1:], "--hf-overrides", yarn)
+    assert data["max_model_len"] == 131072
+    assert data["model"]["context_limit"] == 131072  # type: ignore[index]
+    assert data["model"]["context_limit_source"].startswith("YaRN")  # type: ignore[index]

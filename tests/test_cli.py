@@ -273,7 +273,7 @@ def test_hf_id_from_the_local_cache(capsys, tmp_path, monkeypatch):
         (["llama-3.1-8b", "--pp", "33"], "--pp: must be <= the number of layers (32)"),
         (
             ["llama-3.1-8b", "--max-model-len", "200000"],
-            "must be <= the model's max_position_embeddings",
+            "must be <= the model's context limit (131,072: max_position_embeddings)",
         ),
         (
             ["llama-3.1-8b", "--max-model-len", "1" + "0" * 400],
@@ -301,7 +301,9 @@ def test_hf_id_from_the_local_cache(capsys, tmp_path, monkeypatch):
         (["llama-3.1-8b", "--max-model-len", "auto"], "--max-model-len: must be a token count"),
         (["llama-3.1-8b", "--max-model-len=-1"], "--max-model-len: must be a token count"),
         (["llama-3.1-8b", "--max-model-len", "0"], "--max-model-len: must be an integer from 1"),
-        (["llama-3.1-8b", "--max-model-len", "200K"], "max_position_embeddings (131,072)"),
+        (["llama-3.1-8b", "--max-model-len", "200K"], "context limit (131,072: max_position"),
+        (["qwen3-8b", "--hf-overrides", "[1]"], "--hf-overrides: must be a JSON object"),
+        (["qwen3-8b", "--hf-overrides", "{"], "--hf-overrides: must be JSON (Expecting"),
         (
             ["llama-3.1-8b", "--max-num-batched-tokens", "lots"],
             "--max-num-batched-tokens: must be a whole number like 32768",
@@ -971,7 +973,7 @@ async def test_probe_and_status_piped_to_a_reader_that_stops_get_no_traceback(si
         (
             '[engine]\nurl = "http://127.0.0.1:1"\n[model]\nconfig = "llama-3.1-8b"\n'
             "max_model_len = 9999999\n",
-            "model.max_model_len: must be <= the model's max_position_embeddings",
+            "model.max_model_len: must be <= the model's context limit",
         ),
         (None, "file: must be readable"),
     ],

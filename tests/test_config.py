@@ -322,7 +322,9 @@ def test_check_config_a_bad_tp_does_not_hide_a_bad_max_model_len(tmp_path, url, 
     context = bundled["max_position_embeddings"]
     assert context < 999999
     assert (
-        f"model.max_model_len: must be <= the model's max_position_embeddings ({context:,})"
+        f"model.max_model_len: must be <= the model's context limit ({context:,}:"
+        " max_position_embeddings); vLLM serves longer only with a rope scaling such as"
+        " YaRN in the config (kvguard budget --hf-overrides adds one, as vLLM's flag does)"
         " (model.config = 'llama-3.1-8b'), got 999999"
     ) in stderr
 

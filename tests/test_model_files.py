@@ -14,6 +14,7 @@ from kvguard.config.model_files import (
     bundled_models,
     hf_hub_cache,
     load_model_files,
+    merged_config,
 )
 from kvguard.errors import ModelConfigError
 
@@ -170,3 +171,15 @@ def test_paths_that_are_not_hf_ids_say_so(tmp_path, model):
     with pytest.raises(ModelConfigError, match="no such file or directory") as info:
         load_model_files(model, env={"HF_HUB_CACHE": str(tmp_path)})
     assert "Hugging Face cache" not in str(info.value)
+
+
+def test_overrides_merge_field_by_field_as_vllm_hf_overrides_does():
+    """An object merges into an object; anything else replaces; the original is kept."""
+    config = {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32}, "a": 1}
+    merged = merged_config(config, {"rope_scaling": {"factor": 4.0}, "a": {"b": 2}, "c": None})
+    assert merged == {
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32},
+        "a": {"b": 2},
+        "c": None,
+    }
+    assert config["rope_scaling"]["factor"] == 2.0  # type: ignore[index]

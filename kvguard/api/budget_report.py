@@ -65,6 +65,8 @@ def budget_to_dict(
             "head_dim": shape.attention.head_dim if shape.attention.kind == "mha" else None,
             "kv_latent_dim": shape.attention.latent_dim if shape.attention.kind == "mla" else None,
             "max_position_embeddings": shape.max_position_embeddings,
+            "context_limit": shape.context_limit,
+            "context_limit_source": shape.context_limit_source,
         },
         "inputs": {
             "gpu": gpu,
@@ -231,7 +233,7 @@ def _verdict(b: Budget) -> list[str]:
         else f"DOES NOT FIT: short by {format_bytes(-b.headroom_bytes_per_gpu)} per GPU"
     )
     at_cap = b.max_model_len_at_concurrency == b.max_model_len_cap
-    limit = " (model limit)" if at_cap and b.model.max_position_embeddings else ""
+    limit = " (model limit)" if at_cap and b.model.context_limit else ""
     return [
         f"Worst case       {conc:,} x {b.max_model_len:,} tokens = {format_bytes(worst)}"
         f" per GPU, in a pool of {format_bytes(b.kv_pool_bytes_per_gpu)}",

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import NoReturn
 
 from kvguard import __version__
@@ -20,7 +21,7 @@ from kvguard.cli import check_config, from_vllm_log, probe, run, status
 from kvguard.cli import loadgen as loadgen_cli
 from kvguard.cli import sim_engine as engine_cli
 from kvguard.cli.demo import add_demo_parser
-from kvguard.config.model_files import bundled_models, load_model_files
+from kvguard.config.model_files import bundled_models, load_model_files, merged_config
 from kvguard.core.budget import (
     DEFAULT_BLOCK_SIZE,
     budget_inputs_from,
@@ -153,6 +154,13 @@ def _add_budget(commands: argparse._SubParsersAction[_Parser]) -> None:
         help="N extra attention layers with the target's KV shape (EAGLE/MTP heads)",
     )
     p.add_argument(
+        "--hf-overrides",
+        metavar="JSON",
+        help="vLLM's --hf-overrides: fields merged into the model's config, e.g."
+        ' \'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0,'
+        ' "original_max_position_embeddings": 32768}}\' to serve past its context limit',
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="as vLLM's flag: no CUDA graphs, so none are taken from the pool",
@@ -239,10 +247,17 @@ def _run_budget(args: argparse.Namespace) -> int:
         memory = _size(args.gpu_memory, "--gpu-memory")
         gpu = "custom" if memory is not None else "default (80 GiB)"
     files = load_model_files(args.model)
+    if args.hf_overrides is not None:
+        overrides = _json_arg(args.hf_overrides, "--hf-overrides")
+        if not isinstance(overrides, dict):
+            raise InvalidInputError("--hf-overrides", args.hf_overrides, "must be a JSON object")
+        files = replace(files, config=merged_config(files.config, overrides))
     speculative = args.speculative_layers
     notes: tuple[str, ...] = ()
     if args.speculative_config is not None:
-        drafter = speculative_layers(_json_arg(args.speculative_config), files.config)
+        drafter = speculative_layers(
+            _json_arg(args.speculative_config, "--speculative-config"), files.config
+        )
         speculative, notes = drafter.layers, (f"speculative decoding: {drafter.source}",)
     inputs = budget_inputs_from(
         args,
@@ -278,11 +293,11 @@ def _run_budget(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _json_arg(text: str) -> object:
+def _json_arg(text: str, flag: str) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidInputError("--speculative-config", text, f"must be JSON ({exc.msg})") from None
+        raise InvalidInputError(flag, text, f"must be JSON ({exc.msg})") from None
 
 
 def _command_parser(

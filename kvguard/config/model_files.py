@@ -51,6 +51,24 @@ class ModelFiles:
     name: str = ""
 
 
+def merged_config(
+    config: Mapping[str, object], overrides: Mapping[str, object]
+) -> dict[str, object]:
+    """``config`` with ``overrides`` merged in, as vLLM's ``--hf-overrides`` does.
+
+    An object merges into an object field by field (``{"rope_scaling": {"factor": 4}}``
+    keeps the other rope fields); anything else replaces the field.
+    """
+    merged = dict(config)
+    for key, value in overrides.items():
+        current = merged.get(key)
+        if isinstance(value, Mapping) and isinstance(current, Mapping):
+            merged[key] = merged_config(current, value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def bundled_models() -> list[str]:
     """Names of the model configs that ship with kvguard (usable instead of a path)."""
     return sorted(p.parent.name for p in BUNDLED_MODELS_DIR.glob("*/config.json"))

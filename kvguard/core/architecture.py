@@ -202,6 +202,10 @@ class ModelShape:
     checkpoint_dtype: str
     tie_word_embeddings: bool | None
     defaulted_fields: tuple[tuple[str, object], ...] = ()
+    # The longest max_model_len vLLM accepts: max_position_embeddings, or what a rope
+    # scaling in the config stretches it to (see context_limit); None: no limit given.
+    context_limit: int | None = None
+    context_limit_source: str = "max_position_embeddings"
 
     @property
     def num_layers(self) -> int:
@@ -261,6 +265,7 @@ def parse_fields(cfg: ConfigFields) -> ModelShape:
         # vLLM's dtype "auto" serves float32 checkpoints in 16 bits (bf16 for Gemma).
         dtype = "bf16" if model_type.startswith("gemma") else "fp16"
     name = str(cfg.get("_name_or_path") or "")
+    limit, limit_source = context_limit(cfg, model_type)
     return ModelShape(
         name=name,
         model_type=model_type,
@@ -277,7 +282,49 @@ def parse_fields(cfg: ConfigFields) -> ModelShape:
         checkpoint_dtype=stored,
         tie_word_embeddings=cfg.flag("tie_word_embeddings"),
         defaulted_fields=tuple(sorted(cfg.defaulted.items())),
+        context_limit=limit,
+        context_limit_source=limit_source,
     )
+
+
+# Rope types whose factor vLLM does not apply to the context limit: their
+# max_position_embeddings already is the stretched length (Llama 3.1's "llama3").
+_UNSCALED_ROPE = ("su", "longrope", "llama3")
+
+
+def context_limit(cfg: ConfigFields, model_type: str) -> tuple[int | None, str]:
+    """The longest ``max_model_len`` vLLM accepts for the config, and how it follows.
+
+    As vLLM derives it (``_get_and_verify_max_len``): ``max_position_embeddings``,
+    times the ``factor`` of a ``rope_scaling`` (or per-layer ``rope_parameters``)
+    whose type is not su, longrope or llama3 — from ``original_max_position_embeddings``
+    for YaRN — except for Gemma 3, whose limit is already scaled. A YaRN block added
+    with ``--hf-overrides`` is how a Qwen3 is served at 131,072 tokens.
+    """
+    base = cfg.opt_int("max_position_embeddings", minimum=1)
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if base is None or not isinstance(rope, Mapping) or "gemma3" in model_type:
+        return base, "max_position_embeddings"
+    nested = bool(rope) and all(isinstance(v, Mapping) for v in rope.values())
+    factor: float = 1.0
+    original: object = None
+    kind = ""
+    for params in rope.values() if nested else (rope,):
+        kind = str(params.get("rope_type") or params.get("type") or "default")
+        if kind in _UNSCALED_ROPE:
+            continue
+        found = params.get("factor")
+        if isinstance(found, (int, float)) and not isinstance(found, bool) and found > 0:
+            factor = float(found)
+        if kind == "yarn":
+            original = params.get("original_max_position_embeddings", original)
+    if factor == 1.0:
+        return base, "max_position_embeddings"
+    if isinstance(original, int) and not isinstance(original, bool) and original > 0:
+        return int(original * factor), (
+            f"YaRN: original_max_position_embeddings {original:,} x factor {factor:g}"
+        )
+    return int(base * factor), f"{kind} rope scaling: max_position_embeddings x factor {factor:g}"
 
 
 # Layouts public configs describe in ways kvguard does not read yet: refused by name

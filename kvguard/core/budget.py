@@ -344,8 +344,7 @@ def compute_budget(
     rule = vllm_rule(inputs.engine_version)
     kv_dtype = shape.dtype if inputs.kv_cache_dtype == "auto" else inputs.kv_cache_dtype
     check_parallel_layout(shape, inputs.tp, inputs.pp)
-    model_limit = shape.max_position_embeddings
-    max_len = _max_model_len(inputs, model_limit)
+    max_len = _max_model_len(inputs, shape)
     gpus = inputs.tp * inputs.pp
     sources = {"weights": weights_source, "engine": rule.label}
     total, sources["gpu_memory"] = _gpu_memory(inputs)
@@ -427,7 +426,7 @@ def compute_budget(
     # vLLM reports a sliding-window model's capacity as the tokens of the whole
     # requests it can hold ("GPU KV cache size"), not blocks x block size.
     tokens = blocks * inputs.block_size if not shape.sliding_layers else int(ratio * max_len)
-    cap = model_limit or max_len
+    cap = shape.context_limit or max_len
     return Budget(
         model=shape,
         inputs=inputs,
@@ -535,7 +534,8 @@ def _shape_assumptions(shape: ModelShape) -> list[str]:
     return notes
 
 
-def _max_model_len(inputs: BudgetInputs, model_limit: int | None) -> int:
+def _max_model_len(inputs: BudgetInputs, shape: ModelShape) -> int:
+    model_limit = shape.context_limit
     max_len = inputs.max_model_len or model_limit
     if max_len is None:
         raise InvalidInputError(
@@ -544,10 +544,13 @@ def _max_model_len(inputs: BudgetInputs, model_limit: int | None) -> int:
     if model_limit is not None and max_len > model_limit:
         # vLLM refuses this too (unless told to allow it): positions past the
         # model's limit were never trained.
+        why = shape.context_limit_source
         raise InvalidInputError(
             "max_model_len",
             max_len,
-            f"must be <= the model's max_position_embeddings ({model_limit:,})",
+            f"must be <= the model's context limit ({model_limit:,}: {why}); vLLM serves"
+            " longer only with a rope scaling such as YaRN in the config (kvguard budget"
+            " --hf-overrides adds one, as vLLM's flag does)",
         )
     return max_len
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from kvguard.config.model_files import BUNDLED_MODELS_DIR
 from kvguard.core.architecture import parse_model_config
 from kvguard.errors import ModelConfigError
 
@@ -158,3 +161,49 @@ def test_a_layout_field_that_lists_no_state_layer_is_taken_at_its_word():
     )
     assert shape.state_layers == 0
     assert shape.full_layers == 4
+
+
+# ---------------------------------------------------------------- the context limit
+QWEN3_8B = json.loads((BUNDLED_MODELS_DIR / "qwen3-8b" / "config.json").read_text())
+YARN_4X = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+
+
+@pytest.mark.parametrize(
+    ("rope", "limit", "source"),
+    [
+        (None, 40960, "max_position_embeddings"),
+        # Qwen3's model card: YaRN x4 from 32,768 serves 131,072 tokens.
+        (YARN_4X, 131072, "YaRN: original_max_position_embeddings 32,768 x factor 4"),
+        ({"type": "yarn", "factor": 2.0}, 81920, "yarn rope scaling"),  # no original: the base
+        ({"rope_type": "linear", "factor": 2.0}, 81920, "linear rope scaling"),
+        ({"rope_type": "dynamic", "factor": 2.0}, 81920, "dynamic rope scaling"),
+        # Llama 3.1's own: its max_position_embeddings is already the stretched length.
+        (
+            {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192},
+            40960,
+            "max_position_embeddings",
+        ),
+        ({"rope_type": "longrope", "factor": 4.0}, 40960, "max_position_embeddings"),
+        # Transformers v5 nests them per layer type; vLLM takes the last factor.
+        (
+            {"full_attention": YARN_4X, "sliding_attention": {"rope_type": "default"}},
+            131072,
+            "YaRN",
+        ),
+    ],
+)
+def test_the_context_limit_follows_the_rope_scaling_as_vllm_derives_it(rope, limit, source):
+    """As vLLM's _get_and_verify_max_len: max_position_embeddings x the rope factor."""
+    config = dict(QWEN3_8B, rope_scaling=rope) if rope is not None else QWEN3_8B
+    shape = parse_model_config(config)
+    assert shape.context_limit == limit
+    assert shape.context_limit_source.startswith(source)
+    assert shape.max_position_embeddings == 40960  # the config's own field, unchanged
+
+
+def test_gemma3s_limit_is_already_scaled():
+    """Gemma 3 ships linear x8 with its 131,072 limit: vLLM does not apply it again."""
+    config = json.loads((BUNDLED_MODELS_DIR / "gemma-3-27b-it" / "config.json").read_text())
+    text = dict(config["text_config"], max_position_embeddings=131072)
+    shape = parse_model_config(dict(config, text_config=text))
+    assert shape.context_limit == 131072
