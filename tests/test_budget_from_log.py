@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from kvguard.cli.from_vllm_log import V0_RULE_VERSION, log_notes, logged_inputs
 from kvguard.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
+from kvguard.core.budget import BudgetInputs
+from kvguard.core.vllm_log import VllmStartupLog
 from tests.helpers import strict_json
 
 LOGS = Path(__file__).parent / "fixtures" / "budget" / "logs"
@@ -269,3 +272,16 @@ def test_a_yarn_override_serves_past_the_models_own_limit(capsys):
     assert data["max_model_len"] == 131072
     assert data["model"]["context_limit"] == 131072  # type: ignore[index]
     assert data["model"]["context_limit_source"].startswith("YaRN")  # type: ignore[index]
+
+
+def test_a_v0_engine_of_a_v1_release_is_predicted_with_the_v0_rule():
+    """0.8 to 0.10 fell back to V0 (ROCm, features V1 lacked): the log's engine decides."""
+    given = BudgetInputs()
+    v0 = VllmStartupLog(source="log", version="0.8.5", engine="v0", gpu_blocks=6495)
+    assert logged_inputs(v0, given).engine_version == V0_RULE_VERSION
+    assert any("V0 at vLLM 0.8.5" in note for note in log_notes(v0, given))
+    v1 = VllmStartupLog(source="log", version="0.8.5", engine="v1", kv_cache_tokens=1)
+    assert logged_inputs(v1, given).engine_version == "0.8.5"
+    old = VllmStartupLog(source="log", version="0.7.1", engine="v0", gpu_blocks=1)
+    assert logged_inputs(old, given).engine_version == "0.7.1"
+    assert not any("V0 at" in note for note in log_notes(old, given))

@@ -19,6 +19,7 @@ from pathlib import Path
 from kvguard.api.budget_report import budget_to_dict, render_budget
 from kvguard.config.model_files import ModelFiles
 from kvguard.core.budget import Budget, BudgetInputs, BudgetReport, plan_budget
+from kvguard.core.engine_rules import vllm_rule
 from kvguard.core.units import GiB
 from kvguard.core.vllm_log import VllmStartupLog, parse_vllm_log
 from kvguard.errors import InvalidInputError
@@ -106,12 +107,25 @@ def logged_inputs(log: VllmStartupLog, given: BudgetInputs) -> BudgetInputs:
         block_size=log.block_size or given.block_size,
         max_num_batched_tokens=log.max_num_batched_tokens or given.max_num_batched_tokens,
         max_num_seqs=log.max_num_seqs or given.max_num_seqs,
-        engine_version=log.version or given.engine_version,
+        engine_version=_rule_version(log, given),
         enforce_eager=log.enforce_eager if log.enforce_eager is not None else given.enforce_eager,
         sampler=log.sampler or given.sampler,
         gpu_memory_bytes=gpus_total,
         concurrency=1,
     )
+
+
+# The release kvguard's V0 rule follows: a V0 engine of 0.8 to 0.10 (opt-in, or the
+# fallback where V1 lacked a feature) sized its pool by the same V0 code.
+V0_RULE_VERSION = "0.7"
+
+
+def _rule_version(log: VllmStartupLog, given: BudgetInputs) -> str | None:
+    """The version whose rule predicts the log: its own, but V0's for a V0 engine."""
+    version = log.version or given.engine_version
+    if log.engine == "v0" and vllm_rule(version).engine == "v1":
+        return V0_RULE_VERSION
+    return version
 
 
 def what_if_inputs(
@@ -183,6 +197,11 @@ def log_notes(log: VllmStartupLog, given: BudgetInputs) -> tuple[str, ...]:
         notes.append(
             "the log does not give the GPU's memory and neither --gpu nor --gpu-memory"
             " was given: kvguard's side assumes 80 GiB per GPU (pass --gpu)"
+        )
+    if log.engine == "v0" and log.version and vllm_rule(log.version).engine == "v1":
+        notes.append(
+            f"the log's engine is V0 at vLLM {log.version}: predicted with kvguard's V0"
+            f" rule (that of {V0_RULE_VERSION})"
         )
     if log.weights_bytes is None:
         notes.append("the log has no model loading line: the weights on both sides are kvguard's")

@@ -22,8 +22,9 @@ log or from vLLM's source, with the releases that printed it:
   memory takes …GiB; the rest of the memory reserved for KV Cache is …GiB.``
 * V0: ``Loading model weights took … GB`` (vLLM divides by 2**30, so "GB" is GiB),
   ``# GPU blocks: N, # CPU blocks: M`` (``# CUDA blocks`` / ``# cuda blocks`` from
-  early 2025), ``Graph capturing finished in N secs, took … GiB`` (PR #10027), and the
-  capacity error ``maximum number of tokens that can be stored in KV cache (N)``.
+  early 2025; ``# rocm blocks`` and so on on other platforms), ``Graph capturing
+  finished in N secs, took … GiB`` (PR #10027), and the capacity error ``maximum
+  number of tokens that can be stored in KV cache (N)``.
 * V1 (v0.8 on): ``Model loading took … GiB and … seconds`` (later ``… GiB memory
   and …``), ``Available KV cache memory: … GiB`` (``gpu_worker.py``), ``GPU KV cache
   size: N tokens`` and ``Maximum concurrency for N tokens per request: X.XXx``
@@ -313,7 +314,9 @@ _SKIPPED = re.compile(
 )
 _TOKENS = re.compile(r"GPU KV cache size: " + _N + r" tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for " + _N + r" tokens per request: " + _N + "x")
-_BLOCKS = re.compile(r"#?\s*(?:GPU|CUDA|cuda|gpu) blocks: " + _N)
+# V0's executor names the device as its platform does: "# GPU blocks" before early
+# 2025, then current_platform.device_name ("cuda", "rocm", "xpu", "hpu", "tpu").
+_BLOCKS = re.compile(r"#?\s*(?:GPU|CUDA|(?i:cuda|gpu|rocm|xpu|hpu|tpu)) blocks: " + _N)
 _CPU_BLOCKS = re.compile(r"#\s*CPU blocks: ")
 _CAPACITY = re.compile(r"maximum number of tokens that can be stored in KV cache \(" + _N + r"\)")
 

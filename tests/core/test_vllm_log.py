@@ -329,6 +329,20 @@ def test_two_engines_in_one_file_without_a_config_line():
 # ---------------------------------------------------------------- lines rendered from vLLM's source
 
 
+def test_v0_blocks_line_names_the_platform_device():
+    """V0's executor_base.py logs "# %s blocks" with current_platform.device_name (0.8.5).
+
+    Rendered from that format string for ROCm (device_name "rocm"), with the figures
+    of a public ROCm start-up whose repository could not be named.
+    """
+    log = parse_vllm_log(
+        "INFO 12-31 08:01:48 [executor_base.py:112] # rocm blocks: 6495, # CPU blocks: 2340"
+    )
+    assert log.gpu_blocks == 6495
+    assert log.engine == "v0"
+    assert parse_vllm_log("# xpu blocks: 12, # CPU blocks: 3").gpu_blocks == 12
+
+
 def test_memory_profiling_result_repr():
     """The DEBUG ``MemoryProfilingResult`` repr of vllm/utils/mem_utils.py.
 
