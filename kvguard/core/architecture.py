@@ -308,14 +308,14 @@ def context_limit(cfg: ConfigFields, model_type: str) -> tuple[int | None, str]:
     nested = bool(rope) and all(isinstance(v, Mapping) for v in rope.values())
     factor: float = 1.0
     original: object = None
-    kind = ""
+    scaled = ""  # the rope type whose factor counts
     for params in rope.values() if nested else (rope,):
         kind = str(params.get("rope_type") or params.get("type") or "default")
         if kind in _UNSCALED_ROPE:
             continue
         found = params.get("factor")
         if isinstance(found, (int, float)) and not isinstance(found, bool) and found > 0:
-            factor = float(found)
+            factor, scaled = float(found), kind
         if kind == "yarn":
             original = params.get("original_max_position_embeddings", original)
     if factor == 1.0:
@@ -324,7 +324,7 @@ def context_limit(cfg: ConfigFields, model_type: str) -> tuple[int | None, str]:
         return int(original * factor), (
             f"YaRN: original_max_position_embeddings {original:,} x factor {factor:g}"
         )
-    return int(base * factor), f"{kind} rope scaling: max_position_embeddings x factor {factor:g}"
+    return int(base * factor), f"{scaled} rope scaling: max_position_embeddings x factor {factor:g}"
 
 
 # Layouts public configs describe in ways kvguard does not read yet: refused by name
