@@ -84,6 +84,11 @@ SLO_TPOT_S = 0.1
 TIMESERIES_SEED = 1  # the run per workload whose timeline is kept and plotted
 
 
+# Where the engine ran when not in its own process (also what a result file written
+# before runs said where it ran means: all of those ran in the loop).
+ENGINE_IN_LOOP = "the benchmark's own event loop, shared with the load and any proxy"
+
+
 @dataclass(frozen=True)
 class Workload:
     """What the client sends: a pattern (at a size scale) or a trace replay at a speed."""
@@ -565,7 +570,7 @@ class Plan:
             " `max_tokens` when that is shorter",
             "engine_process": "its own process (as a real engine runs)"
             if self.engine == "process"
-            else "the benchmark's own event loop, shared with the load and any proxy",
+            else ENGINE_IN_LOOP,
             "pool": {
                 "kv_capacity_tokens": POOL.kv_capacity_tokens,
                 "block_size": POOL.block_size,
