@@ -229,10 +229,12 @@ def test_a_pool_without_a_breakdown_calibrates_the_overhead_and_says_it_was_deri
     assert calibrated["sources"]["activation"].startswith("counted in the overhead")
     assert calibrated["sources"]["gpu_memory"].startswith("as logged")
     assert predicted["sources"]["gpu_memory"].startswith("as logged")
-    # Its only other note: the context, which the log gives in no engine config line.
+    # Its other notes: the context, which the log gives in no engine config line, and
+    # the V0 rule its V0 lines call for though no version is printed.
     assert data["notes"] == [
         "max_model_len 20,000 is read from the Maximum concurrency line (the log has no"
-        " engine config line)"
+        " engine config line)",
+        "the log's engine is V0 (no version given): predicted with kvguard's V0 rule (that of 0.7)",
     ]
 
 

@@ -122,10 +122,14 @@ V0_RULE_VERSION = "0.7"
 
 def _rule_version(log: VllmStartupLog, given: BudgetInputs) -> str | None:
     """The version whose rule predicts the log: its own, but V0's for a V0 engine."""
-    version = log.version or given.engine_version
-    if log.engine == "v0" and vllm_rule(version).engine == "v1":
+    if _v0_in_a_v1_release(log, given):
         return V0_RULE_VERSION
-    return version
+    return log.version or given.engine_version
+
+
+def _v0_in_a_v1_release(log: VllmStartupLog, given: BudgetInputs) -> bool:
+    """Whether the log's engine is V0 where its release's (or the current) rule is V1's."""
+    return log.engine == "v0" and vllm_rule(log.version or given.engine_version).engine == "v1"
 
 
 def what_if_inputs(
@@ -198,10 +202,12 @@ def log_notes(log: VllmStartupLog, given: BudgetInputs) -> tuple[str, ...]:
             "the log does not give the GPU's memory and neither --gpu nor --gpu-memory"
             " was given: kvguard's side assumes 80 GiB per GPU (pass --gpu)"
         )
-    if log.engine == "v0" and log.version and vllm_rule(log.version).engine == "v1":
+    if _v0_in_a_v1_release(log, given):
+        release = log.version or given.engine_version
+        where = f"at vLLM {release}" if release else "(no version given)"
         notes.append(
-            f"the log's engine is V0 at vLLM {log.version}: predicted with kvguard's V0"
-            f" rule (that of {V0_RULE_VERSION})"
+            f"the log's engine is V0 {where}: predicted with kvguard's V0 rule (that of"
+            f" {V0_RULE_VERSION})"
         )
     if log.weights_bytes is None:
         notes.append("the log has no model loading line: the weights on both sides are kvguard's")
